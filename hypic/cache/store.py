@@ -1,0 +1,130 @@
+"""The store contract every cache tier implements, and the in-memory tier.
+
+Contract (SegmentStore):
+    get(key)       -> value or None. A hit marks the value most recently used.
+    put(key, v)    -> True if admitted. May evict least-recently-used values to make room; a value
+                      larger than the whole budget is refused (False) and nothing is evicted.
+    delete(key)    -> True if it was present.
+    clear()        drops everything (counts as no evictions).
+Values are immutable once stored and carry `nbytes`. A request that got a value keeps a Python
+reference for its lifetime, so eviction never frees memory under a running request; the bytes
+are released when the last request lets go.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any, Hashable, Iterator, Protocol
+
+
+@dataclass
+class StoreStats:
+    entries: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    insertions: int = 0
+    evictions: int = 0
+    rejected: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class SegmentStore(Protocol):
+    def get(self, key: Hashable) -> Any | None: ...
+    def put(self, key: Hashable, value: Any) -> bool: ...
+    def delete(self, key: Hashable) -> bool: ...
+    def clear(self) -> None: ...
+    def stats(self) -> StoreStats: ...
+    def keys(self) -> Iterator[Hashable]: ...
+    def __contains__(self, key: Hashable) -> bool: ...
+    def __len__(self) -> int: ...
+
+
+class MemoryStore:
+    """LRU under a byte budget, thread safe."""
+
+    def __init__(self, capacity_bytes: int):
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stats = StoreStats(capacity_bytes=capacity_bytes)
+
+    def get(self, key):
+        with self._lock:
+            v = self._data.get(key)
+            if v is None:
+                self._stats.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self._stats.hits += 1
+            return v
+
+    def peek(self, key):
+        """Like get, without touching recency or hit counters."""
+        with self._lock:
+            return self._data.get(key)
+
+    def put(self, key, value) -> bool:
+        size = value.nbytes
+        with self._lock:
+            cap = self._stats.capacity_bytes
+            if size > cap:
+                self._stats.rejected += 1
+                return False
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._stats.bytes -= old.nbytes
+            while self._data and self._stats.bytes + size > cap:
+                _, ev = self._data.popitem(last=False)
+                self._stats.bytes -= ev.nbytes
+                self._stats.evictions += 1
+            self._data[key] = value
+            self._stats.bytes += size
+            self._stats.insertions += 1
+            return True
+
+    def delete(self, key) -> bool:
+        with self._lock:
+            v = self._data.pop(key, None)
+            if v is None:
+                return False
+            self._stats.bytes -= v.nbytes
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._stats.bytes = 0
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            s = StoreStats(**asdict(self._stats))
+            s.entries = len(self._data)
+            return s
+
+    def keys(self):
+        with self._lock:
+            return list(self._data.keys())
+
+    def values(self):
+        with self._lock:
+            return list(self._data.values())
+
+    def check(self) -> None:
+        """Integrity: accounted bytes equal the sum of entry sizes and fit the budget."""
+        with self._lock:
+            total = sum(v.nbytes for v in self._data.values())
+            assert total == self._stats.bytes, (total, self._stats.bytes)
+            assert total <= self._stats.capacity_bytes
+
+    def __contains__(self, key) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)

@@ -1,0 +1,242 @@
+"""Typed, frozen configuration. Nothing in hypic reads environment variables; everything that
+varies is one of these objects, built once and passed down.
+
+    ModelConfig   what the checkpoint is (parsed from a Hugging Face config.json)
+    CachePolicy   how prompts reuse state (mode, seam width, transition handling)
+    EngineConfig  where and how the engine runs (device, dtype, store budgets, seed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, UnsupportedArchitectureError
+
+# HF model_type -> hypic architecture. The nested multimodal configs (`qwen3_5`, `qwen3_5_moe`)
+# carry the text model under `text_config`; hypic serves the text model.
+ARCHITECTURES = {
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
+}
+_TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next": "qwen3_next"}
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                                  # "qwen3_5" | "qwen3_5_moe" | "qwen3_next"
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]               # LINEAR or FULL per layer
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    initializer_range: float
+    # full attention (gated, q/k RMSNorm, partial RoPE)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_parameters: tuple[tuple[str, Any], ...]
+    attention_bias: bool
+    # linear attention (Gated DeltaNet)
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # feed-forward: dense MLP, or MoE on the layers `moe_layers` names
+    intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    hf_model_type: str = ""
+    raw: tuple[tuple[str, Any], ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return dict(self.rope_parameters)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The text-model config dict as transformers reads it (used for RoPE variants and export)."""
+        return json.loads(json.dumps(dict(self.raw)))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        top_type = d.get("model_type")
+        if "text_config" in d and isinstance(d["text_config"], dict):
+            text = dict(d["text_config"])
+            text.setdefault("model_type", _TEXT_MODEL_TYPE.get(top_type, text.get("model_type")))
+            d = text
+        model_type = d.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"unsupported model_type {model_type!r}; hypic supports {sorted(set(ARCHITECTURES))}"
+            )
+        arch = ARCHITECTURES[model_type]
+        hf_type = _TEXT_MODEL_TYPE[arch]
+        from transformers import AutoConfig  # defaults and rope normalisation come from transformers itself
+
+        kwargs = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")}
+        try:
+            hf = AutoConfig.for_model(hf_type, **kwargs)
+        except Exception as e:  # transformers validates values (types, ranges)
+            raise ConfigError(f"invalid {model_type} config: {e}") from e
+        g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
+        layer_types = tuple(g("layer_types"))
+        bad = sorted({t for t in layer_types if t not in (LINEAR, FULL)})
+        if bad:
+            raise UnsupportedArchitectureError(f"unsupported layer type(s) {bad} in {model_type} config")
+        rope = dict(g("rope_parameters") or {})
+        head_dim = g("head_dim") or hf.hidden_size // hf.num_attention_heads
+        rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        num_experts = int(g("num_experts", 0) or 0) if arch != "qwen3_5" else 0
+        if arch == "qwen3_5_moe":
+            moe_layers = tuple(range(hf.num_hidden_layers))
+        elif arch == "qwen3_next" and num_experts > 0:
+            step = g("decoder_sparse_step", 1)
+            only = set(g("mlp_only_layers", []) or [])
+            moe_layers = tuple(i for i in range(hf.num_hidden_layers) if i not in only and (i + 1) % step == 0)
+        else:
+            moe_layers = ()
+        eos = g("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        raw = hf.to_dict()
+        return cls(
+            arch=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, layer_types=layer_types,
+            rms_norm_eps=hf.rms_norm_eps, max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(g("tie_word_embeddings", False)), initializer_range=g("initializer_range", 0.02),
+            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+            head_dim=head_dim, rotary_dim=rotary_dim, rope_parameters=tuple(sorted(rope.items(), key=lambda kv: kv[0])),
+            attention_bias=bool(g("attention_bias", False)),
+            linear_num_key_heads=hf.linear_num_key_heads, linear_num_value_heads=hf.linear_num_value_heads,
+            linear_key_head_dim=hf.linear_key_head_dim, linear_value_head_dim=hf.linear_value_head_dim,
+            linear_conv_kernel_dim=hf.linear_conv_kernel_dim,
+            intermediate_size=int(g("intermediate_size", 0) or 0),
+            num_experts=num_experts, num_experts_per_tok=int(g("num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(g("moe_intermediate_size", 0) or 0),
+            shared_expert_intermediate_size=int(g("shared_expert_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(g("norm_topk_prob", True)), moe_layers=moe_layers,
+            eos_token_ids=eos, bos_token_id=g("bos_token_id"), hf_model_type=hf_type,
+            raw=tuple(sorted(((k, _freeze(v)) for k, v in raw.items()), key=lambda kv: kv[0])),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError as e:
+            raise ConfigError(f"no config.json at {path}") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(d)
+
+
+def _freeze(v):
+    return json.loads(json.dumps(v, default=str))
+
+
+class CacheMode(str, enum.Enum):
+    FULL = "full"        # no cache: recompute the whole prompt
+    PREFIX = "prefix"    # exact prefix reuse at span boundaries (KV + linear states + conv windows)
+    NAIVE = "naive"      # PIC with state addition instead of the transition operator (a straw man)
+    PIC = "pic"          # PIC: S_out = T @ S_in + S, plus the seam window
+
+    @classmethod
+    def parse(cls, value: "CacheMode | str") -> "CacheMode":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"unknown cache mode {value!r}; choose one of {[m.value for m in cls]}") from None
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How a request reuses state. Policy is data: layers read these fields, never mode strings."""
+
+    mode: CacheMode = CacheMode.PIC
+    seam: int = 8                 # tokens recomputed at the start of every reused segment
+
+    def __post_init__(self):
+        if not isinstance(self.seam, int) or isinstance(self.seam, bool) or self.seam < 0:
+            raise ConfigError(f"seam must be an integer >= 0, got {self.seam!r}")
+
+    @property
+    def uses_segments(self) -> bool:
+        return self.mode in (CacheMode.PIC, CacheMode.NAIVE)
+
+    @property
+    def exact_transition(self) -> bool:
+        """Compose with T (PIC) or with the identity (naive addition)."""
+        return self.mode is not CacheMode.NAIVE
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    load_format: str = "auto"          # "auto" (safetensors) | "dummy" (random weights at full size)
+    seed: int = 0
+    policy: CachePolicy = CachePolicy()
+    segment_cache_bytes: int = 4 << 30
+    prefix_cache_bytes: int = 4 << 30
+    namespace: str = "default"
+    backend: str = "reference"         # op backend (ops/registry)
+    max_segments: int = 1024
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ConfigError(f"unsupported dtype {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy", "safetensors"):
+            raise ConfigError(f"unknown load_format {self.load_format!r}; use 'auto', 'safetensors' or 'dummy'")
+        for name in ("segment_cache_bytes", "prefix_cache_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def human_bytes(n: int) -> str:
+    if n <= 0:
+        return "0 B"
+    i = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024 ** i:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][i]}"

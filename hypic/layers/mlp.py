@@ -1,0 +1,52 @@
+"""Feed-forward blocks: SwiGLU MLP and the routed MoE with a gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+
+class Experts(nn.Module):
+    """Expert weights as 3-D tensors: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.ops = ops
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk)
+        y = self.ops.experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
+        return y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,0 +1,125 @@
+"""The Python API: LLM(model, ...).generate / next_token_logits / score / clear_cache."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .config import CacheMode, CachePolicy, EngineConfig
+from .errors import InvalidRequestError
+from .models.loader import load_model
+from .runtime.engine import Engine, Request
+from .segment.spans import tokenize_prompt
+from .types import Prompt, RequestOutput, SamplingParams
+
+
+class LLM:
+    """A hybrid-attention LLM with position-independent caching.
+
+    model: a checkpoint directory or a preset name (`hypic.models.presets.PRESETS`).
+    cache_mode: "pic" | "prefix" | "naive" | "full"; seam: tokens recomputed per reused segment.
+    Extra keyword arguments go to EngineConfig (segment_cache_bytes, prefix_cache_bytes, ...).
+    """
+
+    def __init__(self, model: str, *, device: str = "cpu", dtype: str = "float32", cache_mode: str = "pic",
+                 seam: int = 8, load_format: str = "auto", seed: int = 0, **engine_kwargs):
+        policy = CachePolicy(CacheMode.parse(cache_mode), seam)
+        self.config = EngineConfig(device=device, dtype=dtype, load_format=load_format, seed=seed, policy=policy,
+                                   **engine_kwargs)
+        self.engine = Engine(load_model(model, self.config), self.config)
+        self._n = 0
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.loaded.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.cfg
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self.config.policy
+
+    @property
+    def cache_mode(self) -> str:
+        return self.policy.mode.value
+
+    def set_policy(self, cache_mode: str | None = None, seam: int | None = None) -> None:
+        """Switch mode / seam for later requests (caches are kept; entries are keyed by seam)."""
+        p = CachePolicy(CacheMode.parse(cache_mode or self.policy.mode), self.policy.seam if seam is None else seam)
+        self.config = self.config.replace(policy=p)
+        self.engine.config = self.config
+
+    # -- requests -------------------------------------------------------------------------------
+    def _requests(self, prompts, params) -> list[Request]:
+        if isinstance(prompts, Prompt):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        cfg = self.engine.cfg
+        reqs = []
+        for prompt, sp in zip(prompts, plist):
+            if not isinstance(sp, SamplingParams):
+                raise InvalidRequestError(f"expected SamplingParams, got {type(sp).__name__}")
+            tp = tokenize_prompt(prompt, self.tokenizer, vocab_size=cfg.vocab_size,
+                                 max_len=cfg.max_position_embeddings, max_segments=self.config.max_segments,
+                                 default_namespace=self.config.namespace)
+            for t in sp.stop_token_ids:
+                if not 0 <= t < cfg.vocab_size:
+                    raise InvalidRequestError(f"stop token id {t} is outside the vocabulary")
+            gen = None
+            if sp.temperature > 0:
+                gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else self.config.seed + self._n)
+            self._n += 1
+            reqs.append(Request(tp, sp, self.policy, generator=gen))
+        return reqs
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        return self.engine.generate(self._requests(prompts, sampling_params))
+
+    def next_token_logits(self, prompt: Prompt) -> torch.Tensor:
+        """fp32 logits [vocab] after the last query token, under the current cache mode."""
+        (req,) = self._requests([prompt], SamplingParams(max_tokens=1))
+        logits = self.engine.prefill([req])[0]
+        req.state = None
+        return logits.cpu()
+
+    def score(self, prompt: Prompt, continuation) -> list[float]:
+        """Teacher-forced log-probabilities of the continuation tokens after the prompt."""
+        if isinstance(continuation, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("continuation is text but the model has no tokenizer")
+            cont = self.tokenizer.encode(continuation)
+        else:
+            cont = list(continuation)
+        if not cont:
+            raise InvalidRequestError("the continuation is empty")
+        cfg = self.engine.cfg
+        for t in cont:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size:
+                raise InvalidRequestError(f"continuation token {t!r} is outside the vocabulary")
+        (req,) = self._requests([prompt], SamplingParams(max_tokens=len(cont)))
+        if len(req.prompt) + len(cont) > cfg.max_position_embeddings:
+            raise InvalidRequestError("prompt plus continuation exceed the model's maximum length")
+        first = self.engine.prefill([req])[0]
+        rest = self.engine.extend(req, cont[:-1]) if len(cont) > 1 else first.new_empty(0, first.shape[-1])
+        logp = torch.log_softmax(torch.cat([first[None], rest]), dim=-1)
+        req.state = None
+        return [float(logp[i, t]) for i, t in enumerate(cont)]
+
+    def clear_cache(self) -> None:
+        self.engine.segments.clear()
+        self.engine.prefix.clear()
+
+    def cache_stats(self) -> dict:
+        return {"segments": self.engine.segments.stats().as_dict(), "prefix": self.engine.prefix.store.stats().as_dict()}

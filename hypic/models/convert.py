@@ -1,0 +1,85 @@
+"""Checkpoint key/layout converters: HF checkpoint tensors -> hypic parameter names.
+
+Each converter takes a dict name -> tensor (one shard at a time is fine: converters only merge
+tensors of the same layer, and the loader hands them all at once) and returns a new dict.
+Handled layouts:
+  - multimodal wrappers: `model.language_model.*` -> `model.*`; `model.visual.*`, `mtp.*` dropped
+  - per-expert MoE weights `mlp.experts.{e}.{gate,up,down}_proj.weight` -> fused 3-D tensors
+  - Qwen3-Next fused `in_proj_qkvz` / `in_proj_ba` (grouped per key head) -> Qwen3.5's
+    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..config import ModelConfig
+
+DROP = (re.compile(r"^mtp\."), re.compile(r"^(model\.)?visual\."), re.compile(r"^model\.vision_tower\."))
+
+
+def _common(tensors: dict, cfg: ModelConfig) -> dict:
+    out = {}
+    for name, t in tensors.items():
+        if any(p.match(name) for p in DROP):
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        elif name.startswith("language_model.model."):
+            name = "model." + name[len("language_model.model."):]
+        elif name.startswith("language_model.lm_head."):
+            name = name[len("language_model."):]
+        out[name] = t
+    return _fuse_experts(out, cfg)
+
+
+def _fuse_experts(tensors: dict, cfg: ModelConfig) -> dict:
+    pat = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[str, dict] = {}
+    out = {}
+    for name, t in tensors.items():
+        m = pat.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+    for prefix, parts in groups.items():
+        n = cfg.num_experts
+        missing = [(e, p) for e in range(n) for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in parts]
+        if missing:
+            from ..errors import WeightsError
+
+            raise WeightsError(f"{prefix}: {len(missing)} expert tensors missing, e.g. expert {missing[0][0]} {missing[0][1]}")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], dim=0) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+    return out
+
+
+def qwen3_5(tensors: dict, cfg: ModelConfig) -> dict:
+    return _common(tensors, cfg)
+
+
+def qwen3_next(tensors: dict, cfg: ModelConfig) -> dict:
+    out = {}
+    h, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = hv // h
+    for name, t in _common(tensors, cfg).items():
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            base = name[: -len("in_proj_qkvz.weight")]
+            w = t.view(h, 2 * dk + 2 * r * dv, -1)                  # grouped per key head
+            q, k, v, z = torch.split(w, [dk, dk, r * dv, r * dv], dim=1)
+            flat = lambda x: x.reshape(-1, w.shape[-1])             # noqa: E731  head-major rows
+            out[base + "in_proj_qkv.weight"] = torch.cat([flat(q), flat(k), flat(v)], dim=0)
+            out[base + "in_proj_z.weight"] = flat(z)
+        elif name.endswith("linear_attn.in_proj_ba.weight"):
+            base = name[: -len("in_proj_ba.weight")]
+            w = t.view(h, 2 * r, -1)
+            b, a = torch.split(w, [r, r], dim=1)
+            out[base + "in_proj_b.weight"] = b.reshape(-1, w.shape[-1])
+            out[base + "in_proj_a.weight"] = a.reshape(-1, w.shape[-1])
+        else:
+            out[name] = t
+    return out

@@ -1,0 +1,69 @@
+"""Named model presets: HF-style config dicts. Tiny presets run in seconds on a CPU and ship a
+built-in byte-level tokenizer; real-size presets (dummy weights) are for GPU benchmarks."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+_TINY_COMMON = dict(
+    vocab_size=320, hidden_size=64, num_hidden_layers=6, layer_types=None, full_attention_interval=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    eos_token_id=256, bos_token_id=None, initializer_range=0.02,
+)
+
+
+def _tiny(model_type, **kw):
+    d = dict(_TINY_COMMON, model_type=model_type)
+    d.pop("layer_types")
+    interval = d.pop("full_attention_interval")
+    d["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                        for i in range(d["num_hidden_layers"])]
+    d.update(kw)
+    return d
+
+
+PRESETS: dict[str, dict] = {
+    "tiny-qwen3.5": _tiny("qwen3_5_text", intermediate_size=128),
+    "tiny-qwen3.5-moe": _tiny("qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32),
+    "tiny-qwen3-next": _tiny("qwen3_next", intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+                             mlp_only_layers=[1], norm_topk_prob=True),
+    # A larger CPU preset for benchmarks (still random weights, still the built-in tokenizer).
+    "small-qwen3.5": dict(_tiny("qwen3_5_text", intermediate_size=1024), hidden_size=256, num_hidden_layers=8,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,
+                          linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+                          layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+                          + ["full_attention"]),
+    # Real architectures at full size (dummy weights); sizes from the public model configs.
+    "qwen3.5-35b-a3b": dict(
+        model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False, initializer_range=0.02, eos_token_id=248044,
+    ),
+    "qwen3-next-80b-a3b": dict(
+        model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+        full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, intermediate_size=5120, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False, initializer_range=0.02, eos_token_id=151645,
+    ),
+}
+TINY_TOKENIZER_PRESETS = {name for name in PRESETS if name.startswith(("tiny-", "small-"))}
+DEFAULT_PRESET = "tiny-qwen3.5"
+
+
+def preset_config(name: str) -> dict:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+    return dict(PRESETS[name])

@@ -1,0 +1,25 @@
+"""Architecture registry: hypic arch name -> (model class, checkpoint key converter), lazily imported."""
+
+from __future__ import annotations
+
+import importlib
+
+from ..errors import UnsupportedArchitectureError
+
+_MODELS = {
+    "qwen3_5": ("hypic.models.qwen3_5", "HybridForCausalLM", "hypic.models.convert", "qwen3_5"),
+    "qwen3_5_moe": ("hypic.models.qwen3_5", "HybridForCausalLM", "hypic.models.convert", "qwen3_5"),
+    "qwen3_next": ("hypic.models.qwen3_5", "HybridForCausalLM", "hypic.models.convert", "qwen3_next"),
+}
+
+
+def model_class(arch: str):
+    if arch not in _MODELS:
+        raise UnsupportedArchitectureError(f"no model registered for architecture {arch!r}")
+    mod, cls, _, _ = _MODELS[arch]
+    return getattr(importlib.import_module(mod), cls)
+
+
+def converter(arch: str):
+    mod, _, cmod, fn = _MODELS[arch]
+    return getattr(importlib.import_module(cmod), fn)

@@ -1,0 +1,40 @@
+"""Op backends behind one set of signatures (see ops/reference for the layouts).
+
+    reference   pure PyTorch, any device: the ground truth
+    (fast GPU backends register here with the same signatures)
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    chunk_gated_delta_rule: Callable
+    recurrent_gated_delta_rule: Callable
+    causal_conv1d: Callable
+    position_attention: Callable
+    route: Callable
+    experts_forward: Callable
+
+
+_REGISTRY = {"reference": "hypic.ops.reference"}
+_LOADED: dict[str, Backend] = {}
+
+
+def get_backend(name: str) -> Backend:
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown op backend {name!r}; available: {sorted(_REGISTRY)}")
+    if name not in _LOADED:
+        m = importlib.import_module(_REGISTRY[name])
+        _LOADED[name] = Backend(
+            name, m.chunk_gated_delta_rule, m.recurrent_gated_delta_rule, m.causal_conv1d,
+            m.position_attention, m.route, m.experts_forward,
+        )
+    return _LOADED[name]

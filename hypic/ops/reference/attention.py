@@ -1,0 +1,28 @@
+"""Attention whose queries and keys sit at arbitrary absolute positions, pure PyTorch reference.
+
+Layout:
+    q      [Nq, H, D]        queries of one sequence
+    k, v   [Nk, Hkv, D(v)]   keys/values of the same sequence, in any order (post-RoPE keys)
+    q_pos  [Nq], k_pos [Nk]  absolute positions (int64)
+Causal by position: query i sees key j iff k_pos[j] <= q_pos[i]. Keys may come from cached
+segments placed at new positions, a prefix cache and fresh tokens, in any order: softmax does
+not care about order, only the mask does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float):
+    h, hkv = q.shape[1], k.shape[1]
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
+    rep = h // hkv
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    mask = k_pos[None, :] <= q_pos[:, None]                              # [Nq, Nk]
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v)

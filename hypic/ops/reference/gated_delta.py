@@ -1,0 +1,145 @@
+"""Gated delta rule, pure PyTorch reference (CPU and any device).
+
+Layout (the fla convention, used everywhere in hypic):
+    q, k   [B, T, H, K]      H key heads
+    v      [B, T, HV, V]     HV value heads, HV a multiple of H (each key head serves HV // H
+                             consecutive value heads)
+    g      [B, T, HV]        log decay, <= 0: the state is multiplied by exp(g_t)
+    beta   [B, T, HV]        write strength in (0, 1)
+    state  [N, HV, K, V]     fp32; N = B, or the number of sequences when varlen
+    varlen: B = 1 and cu_seqlens [N + 1] (int64) marks sequence boundaries
+
+Recurrence for one value head (S is [K, V]):
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    o_t = S_t^T (scale * q_t)
+The state acts on every value column independently; hypic relies on that to compute a
+segment's transition operator T by appending K value columns (see compose/linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) along the last axis (the fla / transformers definition)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    h = x.shape[-2]
+    if h == hv:
+        return x
+    if hv % h:
+        raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({h})")
+    return x.repeat_interleave(hv // h, dim=-2)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    hv = v.shape[-2]
+    q = _expand_heads(q, hv).float()
+    k = _expand_heads(k, hv).float()
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return q * scale, k, v.float(), g.float(), beta.float()
+
+
+def _pad_varlen(tensors, cu_seqlens):
+    """[1, T, ...] packed -> [N, Tmax, ...] right-padded with zeros.
+
+    Zero padding is inert for the recurrence: g = 0 keeps the state, beta = 0 and k = 0 write
+    nothing, so each sequence's final state is read at the padded end.
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    tmax = max(lens) if lens else 0
+    out = []
+    for x in tensors:
+        x = x[0]
+        pad = x.new_zeros((len(lens), tmax) + tuple(x.shape[1:]))
+        for i, (s, n) in enumerate(zip(cu_seqlens[:-1].tolist(), lens)):
+            pad[i, :n] = x[s : s + n]
+        out.append(pad)
+    return out, lens
+
+
+def _unpad(o, lens):
+    return torch.cat([o[i, :n] for i, n in enumerate(lens)], dim=0).unsqueeze(0)
+
+
+def recurrent_gated_delta_rule(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+    cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+):
+    """Token-by-token reference. Returns (o [B, T, HV, V] in v's dtype, final_state fp32 or None)."""
+    dtype = v.dtype
+    if cu_seqlens is not None:
+        (q, k, v, g, beta), lens = _pad_varlen((q, k, v, g, beta), cu_seqlens)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    b, t, hv, dv = v.shape
+    dk = k.shape[-1]
+    s = q.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.float().clone()
+    o = q.new_empty(b, t, hv, dv)
+    for i in range(t):
+        s = s * g[:, i].exp()[..., None, None]
+        kt = k[:, i]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, s)
+        delta = (v[:, i] - pred) * beta[:, i, :, None]
+        s = s + kt[..., None] * delta[..., None, :]
+        o[:, i] = torch.einsum("bhk,bhkv->bhv", q[:, i], s)
+    if cu_seqlens is not None:
+        o = _unpad(o, lens)
+    return o.to(dtype), (s if output_final_state else None)
+
+
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+    cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64,
+):
+    """Chunked (WY / UT-transform) form of the same recurrence, fp32 inside.
+
+    Within a chunk, with G_t the cumulative log decay from the chunk start and S_0 the state
+    entering the chunk, the write vectors u_t solve the unit lower-triangular system
+        (I + A) U = beta*V - diag(beta exp(G)) K S_0,   A[t,s] = beta_t exp(G_t - G_s) k_t.k_s (s < t)
+    and then
+        o_t = exp(G_t) S_0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t.k_s) u_s
+        S_C = exp(G_C) S_0 + sum_s exp(G_C - G_s) k_s u_s^T.
+    """
+    dtype = v.dtype
+    if cu_seqlens is not None:
+        (q, k, v, g, beta), lens = _pad_varlen((q, k, v, g, beta), cu_seqlens)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    b, t, hv, dv = v.shape
+    dk = k.shape[-1]
+    c = chunk_size
+    pad = (-t) % c
+    # -> [B, HV, n_chunks, C, ...]
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c, x.shape[-1]) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c) for x in (g, beta))
+    n = q.shape[2]
+    G = g.cumsum(-1)                                            # [B, HV, n, C]
+    diff = G[..., :, None] - G[..., None, :]                    # G_t - G_s
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = diff.masked_fill(~lower, float("-inf")).exp()       # exp(G_t - G_s) for s <= t, else 0
+    strict = decay.masked_fill(lower & ~lower.tril(-1), 0.0)    # s < t only
+    kk = k @ k.transpose(-1, -2)
+    system = torch.eye(c, device=q.device) + beta[..., :, None] * kk * strict
+    rhs_v = beta[..., None] * v
+    rhs_s = (beta * G.exp())[..., None] * k
+    sol = torch.linalg.solve_triangular(system, torch.cat([rhs_v, rhs_s], dim=-1), upper=False, unitriangular=True)
+    u0, w = sol[..., :dv], sol[..., dv:]                        # U = u0 - w @ S_0
+    qk = (q @ k.transpose(-1, -2)) * decay
+    q_decay = q * G.exp()[..., None]
+    k_tail = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()
+    s = q.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.float().clone()
+    o = torch.empty_like(v)
+    for i in range(n):
+        u = u0[:, :, i] - w[:, :, i] @ s
+        o[:, :, i] = q_decay[:, :, i] @ s + qk[:, :, i] @ u
+        s = s * chunk_decay[:, :, i, None, None] + k_tail[:, :, i].transpose(-1, -2) @ u
+    o = o.reshape(b, hv, -1, dv)[:, :, :t].transpose(1, 2)
+    if cu_seqlens is not None:
+        o = _unpad(o, lens)
+    return o.to(dtype), (s if output_final_state else None)

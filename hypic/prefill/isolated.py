@@ -1,0 +1,40 @@
+"""Cold prefill: segments computed in isolation (positions 0..L-1, zero states), all cold
+segments of a batch in one varlen forward, turned into SegmentEntries.
+
+Each segment is two runs: its first w tokens (the seam, recomputed at every reuse) and the
+cached part [w, L), whose run is summarized: T and S over [w, L) per linear layer, the conv
+tail, and pre-RoPE K / V per attention layer.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..cache.entry import AttnKV, LinearSummary, SegmentEntry
+from ..runtime.batch import BatchBuilder
+from ..runtime.state import SeqState
+
+
+def prefill_segments(model, slots, device) -> list[SegmentEntry]:
+    """slots: distinct cold SegmentSlots. Returns their entries in the same order."""
+    if not slots:
+        return []
+    cfg = model.config
+    builder = BatchBuilder(device)
+    works = []
+    for slot in slots:
+        items = [("run", list(slot.tokens[: slot.seam])), ("run", list(slot.tokens[slot.seam:]), {"summarize": True})]
+        works.append(builder.add(SeqState(capacity_hint=len(slot.tokens)), items, logits="none"))
+    batch = builder.build()
+    t0 = time.perf_counter()
+    model(batch)
+    elapsed = time.perf_counter() - t0
+    total = sum(len(s.tokens) for s in slots)
+    entries = []
+    for slot, work in zip(slots, works):
+        cap = work.pieces[-1].captures              # the summarized run
+        linear = {l: LinearSummary(cap[l]["T"], cap[l]["S"], cap[l]["tail"]) for l in cfg.linear_layers}
+        attn = {l: AttnKV(cap[l]["k"], cap[l]["v"]) for l in cfg.attention_layers}
+        entries.append(SegmentEntry(slot.key, tuple(slot.tokens[: slot.seam]), len(slot.tokens), slot.seam,
+                                    linear, attn, prefill_s=elapsed * len(slot.tokens) / total))
+    return entries

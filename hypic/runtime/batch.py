@@ -1,0 +1,118 @@
+"""The flat bundle of tensors one forward pass reads, planned on the CPU.
+
+A batch holds the *active* tokens of several sequences back to back (`input_ids`, `positions`,
+one flat axis N). Each sequence is a `SeqWork`: its running `SeqState` and an ordered list of
+pieces that every layer walks:
+
+    Run(start, end)      active tokens [start, end) of the flat axis, processed with the
+                         running state (linear layers) and appended to the KV (attention)
+    Apply(entry, pos)    a cached segment summary composed into the running state:
+                         linear layers  state <- T @ state + S  (naive: state + S), conv <- tail
+                         attention      the entry's K/V placed at positions pos, pos+1, ...
+
+Positions are computed in exactly one place: `BatchBuilder`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .state import SeqState
+
+
+@dataclass
+class Run:
+    start: int
+    end: int
+    summarize: bool = False   # capture this run's zero-start summary (T, S, conv tail, raw K/V)
+    mark: bool = False        # capture the state after this run (a prefix-cache boundary)
+    captures: dict[int, Any] = field(default_factory=dict)   # layer -> captured tensors
+
+    @property
+    def n(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Apply:
+    entry: Any                # cache.entry.SegmentEntry
+    position: int             # absolute position of the entry's first cached token
+
+
+@dataclass
+class SeqWork:
+    state: SeqState
+    pieces: list
+    start: int                # flat range of this sequence's active tokens
+    end: int
+
+    @property
+    def runs(self) -> list[Run]:
+        return [p for p in self.pieces if isinstance(p, Run)]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor   # [N] int64
+    positions: torch.Tensor   # [N] int64, absolute
+    seqs: list[SeqWork]
+    logits_index: torch.Tensor  # [M] flat rows whose logits are returned
+    exact_transition: bool = True
+    scratch: dict[str, Any] = field(default_factory=dict)   # per-forward derived tensors (RoPE tables)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class BatchBuilder:
+    """Collects sequences, then emits one ForwardBatch. Pieces are given as token lists (runs) or
+    entries; flat offsets and absolute positions are assigned here, from each state's length."""
+
+    def __init__(self, device):
+        self.device = device
+        self.ids: list[int] = []
+        self.pos: list[int] = []
+        self.seqs: list[SeqWork] = []
+        self.logits_rows: list[int] = []
+
+    def add(self, state: SeqState, items: Sequence, *, logits: str = "last") -> SeqWork:
+        """items: ("run", token_ids, flags) | ("apply", entry, n_positions). Advances state.length.
+
+        logits: "last" (the last active token), "all" (every active token) or "none".
+        """
+        start = len(self.ids)
+        pieces = []
+        p = state.length
+        for item in items:
+            kind = item[0]
+            if kind == "run":
+                toks, flags = item[1], item[2] if len(item) > 2 else {}
+                if not toks:
+                    continue
+                s = len(self.ids)
+                self.ids.extend(toks)
+                self.pos.extend(range(p, p + len(toks)))
+                p += len(toks)
+                pieces.append(Run(s, len(self.ids), **flags))
+            elif kind == "apply":
+                entry = item[1]
+                pieces.append(Apply(entry, p))
+                p += entry.cached_tokens
+            else:
+                raise ValueError(kind)
+        state.length = p
+        work = SeqWork(state, pieces, start, len(self.ids))
+        if logits == "last" and work.end > work.start:
+            self.logits_rows.append(work.end - 1)
+        elif logits == "all":
+            self.logits_rows.extend(range(work.start, work.end))
+        self.seqs.append(work)
+        return work
+
+    def build(self, *, exact_transition: bool = True) -> ForwardBatch:
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return ForwardBatch(t(self.ids), t(self.pos), self.seqs, t(self.logits_rows), exact_transition)

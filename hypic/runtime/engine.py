@@ -1,0 +1,243 @@
+"""The engine loop: plan -> cold prefill -> compose -> decode -> emit.
+
+    prefill(requests)   stages 1-4 for a batch of requests, returns last-token logits
+    step(requests)      one batched decode step
+    generate(...)       prefill + decode until every request stops
+The caches (segment store, prefix cache) live here; only this module mutates them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.entry import PrefixNode
+from ..cache.prefix import PrefixCache
+from ..cache.store import MemoryStore
+from ..config import CacheMode, CachePolicy, EngineConfig
+from ..plan.planner import Planner, PrefillPlan
+from ..prefill.isolated import prefill_segments
+from ..segment.spans import TokenizedPrompt
+from ..types import RequestOutput, SamplingParams
+from .batch import BatchBuilder
+from .sampler import sample
+from .state import KVBuffer, SeqState
+
+
+@dataclass
+class Request:
+    prompt: TokenizedPrompt
+    params: SamplingParams
+    policy: CachePolicy
+    state: SeqState | None = None
+    output_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    t_start: float = 0.0
+    ttft_s: float = 0.0
+    finish_reason: str | None = None
+    counts: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    def __init__(self, loaded, config: EngineConfig):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.cfg = loaded.config
+        self.config = config
+        self.device = torch.device(config.device)
+        self.segments = MemoryStore(config.segment_cache_bytes)
+        self.prefix = PrefixCache(config.prefix_cache_bytes, loaded.fingerprint)
+        self.planner = Planner(loaded.fingerprint, self.segments, self.prefix)
+
+    # -- stage 1: plan -------------------------------------------------------------------------
+    def _plan(self, reqs: list[Request]) -> list[PrefillPlan]:
+        return [self.planner.plan(r.prompt, r.policy) for r in reqs]
+
+    # -- stage 2: cold prefill (prefix spans of PIC requests, cold segments) -----------------------
+    def _cold_prefixes(self, plans: list[PrefillPlan]) -> None:
+        todo: dict[str, list[PrefillPlan]] = {}
+        for p in plans:
+            if p.prefix_cold:
+                todo.setdefault(p.boundary_keys[0], []).append(p)
+        if not todo:
+            return
+        builder = BatchBuilder(self.device)
+        works = []
+        for key, ps in todo.items():
+            prefix = list(ps[0].prompt.prefix)
+            works.append((key, prefix, builder.add(SeqState(capacity_hint=len(prefix)),
+                                                   [("run", prefix, {"mark": True})], logits="none")))
+        self.model(builder.build())
+        for key, prefix, work in works:
+            node = self._node(key, None, prefix, 0, work.pieces[0].captures)
+            self.prefix.insert(node)
+            for p in todo[key]:
+                p.matched = [node]
+
+    def _cold_segments(self, plans: list[PrefillPlan]) -> None:
+        distinct = {}
+        for p in plans:
+            for slot in p.cold_slots:
+                distinct.setdefault(slot.key, slot)
+        entries = dict(zip(distinct, prefill_segments(self.model, list(distinct.values()), self.device)))
+        for key, entry in entries.items():
+            self.segments.put(key, entry)
+        for p in plans:
+            for slot in p.cold_slots:
+                slot.entry = entries[slot.key]
+
+    # -- stage 3: compose pass (all requests in one forward) ---------------------------------------
+    def _state_from(self, nodes: list[PrefixNode], capacity: int) -> SeqState:
+        st = SeqState(length=nodes[-1].end if nodes else 0, capacity_hint=capacity)
+        if not nodes:
+            return st
+        last = nodes[-1]
+        for l, (rec, conv) in last.linear.items():
+            st.rec[l], st.conv[l] = rec, conv
+        c = self.cfg
+        for l in c.attention_layers:
+            buf = KVBuffer(c.num_key_value_heads, c.head_dim, c.head_dim, dtype=self.model.lm_head.weight.dtype,
+                           device=self.device, capacity=capacity)
+            for n in nodes:
+                buf.append(*n.attn[l])
+            st.kv[l] = buf
+        return st
+
+    def _items(self, plan: PrefillPlan) -> list:
+        tp, mode = plan.prompt, plan.mode
+        if mode is CacheMode.FULL:
+            return [("run", tp.token_ids)]
+        covered = sum(len(n.tokens) for n in plan.matched)
+        if mode is CacheMode.PREFIX:
+            spans = plan.boundary_spans
+            items = [("run", list(s), {"mark": True}) for s in spans[len(plan.matched):]]
+            return items + [("run", list(tp.query))]
+        items = [] if covered or not tp.prefix else [("run", list(tp.prefix))]
+        for slot in plan.slots:
+            if slot.entry is None:
+                items.append(("run", list(slot.tokens)))
+            else:
+                items += [("run", list(slot.tokens[: slot.seam])), ("apply", slot.entry)]
+        return items + [("run", list(tp.query))]
+
+    def _compose(self, reqs: list[Request], plans: list[PrefillPlan]) -> torch.Tensor:
+        builder = BatchBuilder(self.device)
+        works = []
+        for r, p in zip(reqs, plans):
+            r.state = self._state_from(p.matched, len(r.prompt) + r.params.max_tokens)
+            works.append(builder.add(r.state, self._items(p)))
+        exact = {r.policy.exact_transition for r in reqs}
+        if len(exact) > 1:
+            raise ValueError("naive and exact transitions cannot share a forward pass")
+        logits = self.model(builder.build(exact_transition=exact.pop()))
+        for r, p, w in zip(reqs, plans, works):
+            if p.mode is CacheMode.PREFIX:
+                self._insert_boundaries(p, w)
+        return logits
+
+    def _insert_boundaries(self, plan: PrefillPlan, work) -> None:
+        spans = plan.boundary_spans
+        k = len(plan.matched)
+        marked = [run for run in work.runs if run.mark]
+        start = sum(len(n.tokens) for n in plan.matched)
+        parent = plan.matched[-1].key if plan.matched else None
+        for span, key, run in zip(spans[k:], plan.boundary_keys[k:], marked):
+            node = self._node(key, parent, span, start, run.captures)
+            self.prefix.insert(node)
+            parent, start = key, start + len(span)
+
+    def _node(self, key, parent, tokens, start, captures) -> PrefixNode:
+        c = self.cfg
+        linear = {l: (captures[l]["rec"], captures[l]["conv"]) for l in c.linear_layers}
+        attn = {l: (captures[l]["k"], captures[l]["v"], captures[l]["pos"]) for l in c.attention_layers}
+        return PrefixNode(key, parent, tuple(tokens), start, linear, attn)
+
+    def _counts(self, r: Request, p: PrefillPlan, prefix_reused: bool) -> None:
+        """Where each prompt token came from: prefix + composed + recomputed = prompt length."""
+        n = len(r.prompt)
+        prefix_tokens = sum(len(x.tokens) for x in p.matched) if prefix_reused else 0
+        composed = cold = 0
+        for slot in p.slots:
+            if slot.entry is not None:
+                composed += slot.entry.cached_tokens
+                if not slot.hit:
+                    cold += len(slot.tokens)
+        r.counts = dict(prefix_tokens=prefix_tokens, composed_tokens=composed,
+                        recomputed_tokens=n - prefix_tokens - composed, cold_prefill_tokens=cold)
+
+    def prefill(self, reqs: list[Request]) -> torch.Tensor:
+        """Stages 1-3 for requests sharing one cache policy; returns last-token logits [B, V]."""
+        plans = self._plan(reqs)
+        prefix_reused = [not p.prefix_cold for p in plans]   # a cold prefix is computed for this request
+        self._cold_prefixes(plans)
+        self._cold_segments(plans)
+        logits = self._compose(reqs, plans)
+        for r, p, reused in zip(reqs, plans, prefix_reused):
+            self._counts(r, p, reused)
+        return logits
+
+    # -- stage 4: decode ----------------------------------------------------------------------------
+    def step(self, reqs: list[Request]) -> torch.Tensor:
+        builder = BatchBuilder(self.device)
+        for r in reqs:
+            builder.add(r.state, [("run", [r.output_ids[-1]])])
+        return self.model(builder.build())
+
+    def extend(self, r: Request, tokens: list[int]) -> torch.Tensor:
+        """Teacher-force tokens after the request's prompt; fp32 logits for every one of them."""
+        builder = BatchBuilder(self.device)
+        builder.add(r.state, [("run", list(tokens))], logits="all")
+        return self.model(builder.build())
+
+    def _accept(self, r: Request, token: int) -> None:
+        r.output_ids.append(token)
+        p = r.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
+            r.finish_reason = "stop"
+        elif len(r.output_ids) >= p.max_tokens or r.state.length >= self.cfg.max_position_embeddings:
+            r.finish_reason = "length"
+
+    @property
+    def _eos(self) -> tuple[int, ...]:
+        tok = self.loaded.tokenizer
+        return tuple(set(self.cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ()))
+
+    def generate(self, reqs: list[Request]) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        for r in reqs:
+            r.t_start = t0
+        for group in _by_policy(reqs):
+            logits = self.prefill(group)
+            now = time.perf_counter()
+            for r, row in zip(group, logits):
+                self._accept(r, sample(row, r.params, r.generator))
+                r.ttft_s = now - r.t_start
+        running = [r for r in reqs if not r.finished]
+        while running:
+            logits = self.step(running)
+            for r, row in zip(running, logits):
+                self._accept(r, sample(row, r.params, r.generator))
+            running = [r for r in running if not r.finished]
+        return [self._output(r) for r in reqs]
+
+    def _output(self, r: Request) -> RequestOutput:
+        tok = self.loaded.tokenizer
+        stop = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self._eos))
+        shown = r.output_ids[:-1] if r.finish_reason == "stop" and r.output_ids[-1] in stop else r.output_ids
+        text = tok.decode(shown) if tok is not None else None
+        r.state = None                                         # release the request's KV and states
+        return RequestOutput(prompt_token_ids=r.prompt.token_ids, token_ids=list(r.output_ids), text=text,
+                             finish_reason=r.finish_reason, ttft_s=r.ttft_s, mode=r.policy.mode.value, **r.counts)
+
+
+def _by_policy(reqs):
+    groups: dict = {}
+    for r in reqs:
+        groups.setdefault(r.policy.exact_transition, []).append(r)
+    return list(groups.values())

@@ -1,0 +1,67 @@
+"""Per-request running state, owned by the runtime and advanced layer by layer by the forward pass.
+
+Layouts (written here, where they are allocated):
+    rec[layer]   [HV, K, V] fp32   linear-attention recurrent state (value heads, key dim, value dim)
+    conv[layer]  [W-1, C]          the last W-1 raw conv inputs (model dtype)
+    kv[layer]    KVBuffer          post-RoPE keys, values and absolute positions of every token the
+                                   request has seen (prefix, placed segments, fresh tokens), any order
+Layers never mutate a tensor they were given: they assign new ones, so states loaded from a
+cache node or a segment entry can be shared without copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVBuffer:
+    """Growable [capacity, Hkv, D] key/value storage with an absolute position per slot."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, value_dim: int, *, dtype, device, capacity: int = 64):
+        capacity = max(capacity, 1)
+        self.k = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty(capacity, num_kv_heads, value_dim, dtype=dtype, device=device)
+        self.pos = torch.empty(capacity, dtype=torch.long, device=device)
+        self.n = 0
+
+    def reserve(self, extra: int) -> None:
+        need = self.n + extra
+        if need <= self.k.shape[0]:
+            return
+        cap = max(need, 2 * self.k.shape[0])
+        for name in ("k", "v", "pos"):
+            old = getattr(self, name)
+            new = old.new_empty((cap,) + tuple(old.shape[1:]))
+            new[: self.n] = old[: self.n]
+            setattr(self, name, new)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        m = k.shape[0]
+        self.reserve(m)
+        self.k[self.n : self.n + m] = k
+        self.v[self.n : self.n + m] = v
+        self.pos[self.n : self.n + m] = pos
+        self.n += m
+
+    def view(self):
+        return self.k[: self.n], self.v[: self.n], self.pos[: self.n]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.element_size() * t.nelement() for t in (self.k, self.v, self.pos))
+
+
+class SeqState:
+    """Everything a request needs to continue: recurrent states, conv windows, the whole KV."""
+
+    def __init__(self, length: int = 0, capacity_hint: int = 64):
+        self.rec: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.kv: dict[int, KVBuffer] = {}
+        self.length = length            # positions 0 .. length-1 are covered
+        self.capacity_hint = capacity_hint
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(t.element_size() * t.nelement() for d in (self.rec, self.conv) for t in d.values())
+        return n + sum(b.nbytes for b in self.kv.values())

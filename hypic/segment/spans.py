@@ -1,0 +1,82 @@
+"""Prompt -> token spans. Each span (prefix, every segment, query) is tokenized on its own; the
+request's token sequence is their concatenation, for every mode and baseline alike."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import InvalidRequestError
+from ..types import Prompt
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    prefix: tuple[int, ...]
+    segments: tuple[tuple[int, ...], ...]
+    query: tuple[int, ...]
+    namespace: str
+
+    @property
+    def spans(self) -> tuple[tuple[int, ...], ...]:
+        """Non-empty spans in order: [prefix], segments..., [query]."""
+        out = ([self.prefix] if self.prefix else []) + list(self.segments) + ([self.query] if self.query else [])
+        return tuple(out)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for span in self.spans for t in span]
+
+    def __len__(self) -> int:
+        return len(self.prefix) + sum(map(len, self.segments)) + len(self.query)
+
+
+def tokens_digest(ids: Sequence[int]) -> str:
+    h = hashlib.sha256()
+    h.update(len(ids).to_bytes(8, "little"))
+    for t in ids:
+        h.update(int(t).to_bytes(4, "little"))
+    return h.hexdigest()
+
+
+def tokenize_prompt(prompt: Prompt, tokenizer, *, vocab_size: int, max_len: int, max_segments: int,
+                    default_namespace: str) -> TokenizedPrompt:
+    """Validates and tokenizes. Raises InvalidRequestError with the reason; touches no state."""
+    if not isinstance(prompt, Prompt):
+        raise InvalidRequestError(f"expected a hypic.Prompt, got {type(prompt).__name__}")
+
+    def span(x, what):
+        if x is None:
+            return ()
+        if isinstance(x, str):
+            if tokenizer is None:
+                raise InvalidRequestError(f"{what} is text but the model has no tokenizer; pass token ids")
+            return tuple(tokenizer.encode(x))
+        if isinstance(x, (list, tuple)):
+            ids = tuple(x)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise InvalidRequestError(f"{what} token ids must be integers, got {type(t).__name__}")
+                if not 0 <= t < vocab_size:
+                    raise InvalidRequestError(f"{what} token id {t} is outside the vocabulary [0, {vocab_size})")
+            return ids
+        raise InvalidRequestError(f"{what} must be a string or a list of token ids, got {type(x).__name__}")
+
+    segs = prompt.segments or ()
+    if isinstance(segs, (str, bytes)):
+        raise InvalidRequestError("segments must be a list of strings or token-id lists, not a single string")
+    if len(segs) > max_segments:
+        raise InvalidRequestError(f"too many segments: {len(segs)} > {max_segments}")
+    prefix = span(prompt.prefix, "prefix")
+    segments = tuple(span(s, f"segment {i}") for i, s in enumerate(segs))
+    for i, s in enumerate(segments):
+        if not s:
+            raise InvalidRequestError(f"segment {i} is empty")
+    query = span(prompt.query, "query")
+    if not query:
+        raise InvalidRequestError("the query is empty: a prompt needs at least one query token")
+    tp = TokenizedPrompt(prefix, segments, query, prompt.namespace or default_namespace)
+    if len(tp) > max_len:
+        raise InvalidRequestError(f"prompt of {len(tp)} tokens exceeds the model's maximum of {max_len}")
+    return tp
