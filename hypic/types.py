@@ -33,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    return_logits: bool = False       # keep the fp32 logits of every generated position
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -58,7 +59,7 @@ class RequestOutput:
     recomputed_tokens: int             # forwarded through the model in this request's pass
     cold_prefill_tokens: int = 0       # segment tokens prefilled in isolation for this request (misses)
     mode: str = ""
-    metrics: dict = field(default_factory=dict)
+    logits: object = None              # [steps, vocab] fp32 tensor when SamplingParams.return_logits
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -38,6 +38,7 @@ class Request:
     ttft_s: float = 0.0
     finish_reason: str | None = None
     counts: dict = field(default_factory=dict)
+    logits: list = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -195,7 +196,10 @@ class Engine:
         builder.add(r.state, [("run", list(tokens))], logits="all")
         return self.model(builder.build())
 
-    def _accept(self, r: Request, token: int) -> None:
+    def _accept(self, r: Request, logits: torch.Tensor) -> None:
+        token = sample(logits, r.params, r.generator)
+        if r.params.return_logits:
+            r.logits.append(logits.cpu())
         r.output_ids.append(token)
         p = r.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
@@ -216,13 +220,13 @@ class Engine:
             logits = self.prefill(group)
             now = time.perf_counter()
             for r, row in zip(group, logits):
-                self._accept(r, sample(row, r.params, r.generator))
+                self._accept(r, row)
                 r.ttft_s = now - r.t_start
         running = [r for r in reqs if not r.finished]
         while running:
             logits = self.step(running)
             for r, row in zip(running, logits):
-                self._accept(r, sample(row, r.params, r.generator))
+                self._accept(r, row)
             running = [r for r in running if not r.finished]
         return [self._output(r) for r in reqs]
 
@@ -233,7 +237,8 @@ class Engine:
         text = tok.decode(shown) if tok is not None else None
         r.state = None                                         # release the request's KV and states
         return RequestOutput(prompt_token_ids=r.prompt.token_ids, token_ids=list(r.output_ids), text=text,
-                             finish_reason=r.finish_reason, ttft_s=r.ttft_s, mode=r.policy.mode.value, **r.counts)
+                             finish_reason=r.finish_reason, ttft_s=r.ttft_s, mode=r.policy.mode.value,
+                             logits=torch.stack(r.logits) if r.logits else None, **r.counts)
 
 
 def _by_policy(reqs):

@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random models of every supported architecture, built with transformers'
+own classes (the oracle), saved with save_pretrained and loaded by hypic.
+
+fla and causal_conv1d are blocked before transformers is imported: they cannot run on a CPU and
+transformers would otherwise swap them in.
+"""
+
+import sys
+
+sys.modules.setdefault("fla", None)
+sys.modules.setdefault("causal_conv1d", None)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hypic.models.presets import preset_config  # noqa: E402
+
+ARCHS = {
+    "qwen3_5": ("tiny-qwen3.5", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("tiny-qwen3.5-moe", "Qwen3_5MoeForCausalLM"),
+    "qwen3_next": ("tiny-qwen3-next", "Qwen3NextForCausalLM"),
+}
+
+
+def hf_model(arch: str, seed: int = 0, **overrides):
+    """A transformers model of the arch's tiny preset with *slow* decays (A in [0.01, 0.3]) and
+    non-trivial norms, so the transition operator T is far from zero and a wrong composition shows."""
+    import transformers
+    from transformers import AutoConfig
+
+    preset, cls = ARCHS[arch]
+    d = preset_config(preset)
+    d.update(overrides)
+    mt = d.pop("model_type")
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(AutoConfig.for_model(mt, **d)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 0.3).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.empty_like(p).uniform_(-2.0, 0.0))
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("conv1d.weight"):
+                p.mul_(3.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """arch -> (transformers model, checkpoint dir with the builtin tokenizer saved beside it)."""
+    from hypic.segment.tokenizer import Tokenizer
+
+    out = {}
+    for arch in ARCHS:
+        model = hf_model(arch)
+        path = tmp_path_factory.mktemp(arch)
+        model.save_pretrained(path)
+        Tokenizer.builtin_bytes().hf.save_pretrained(path)
+        out[arch] = (model, path)
+    return out
+
+
+@pytest.fixture(params=list(ARCHS), scope="session")
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def llms(hf_checkpoints):
+    """arch -> hypic.LLM on that checkpoint (pic mode, seam 8); tests switch mode with set_policy."""
+    from hypic import LLM
+
+    return {a: LLM(str(path), cache_mode="pic", seam=8) for a, (_, path) in hf_checkpoints.items()}
+
+
+@pytest.fixture
+def llm(llms, arch):
+    engine = llms[arch]
+    engine.clear_cache()
+    engine.set_policy("pic", 8)
+    yield engine
+    engine.clear_cache()
+
+
+def rand_ids(n: int, seed: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()

@@ -1,0 +1,94 @@
+"""Reference ops against plainer formulations (token-by-token recurrence, F.conv1d with padding,
+SDPA with a causal mask)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hypic.ops.reference import (causal_conv1d, chunk_gated_delta_rule, experts_forward, position_attention,
+                                 recurrent_gated_delta_rule, route)
+
+
+def _inputs(b, t, h, hv, dk, dv, seed=0, decay=0.1):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return (r(b, t, h, dk), r(b, t, h, dk), r(b, t, hv, dv), -torch.rand(b, t, hv, generator=g) * decay,
+            torch.rand(b, t, hv, generator=g), r(b, hv, dk, dv))
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 65, 200])
+@pytest.mark.parametrize("h,hv,dk,dv", [(1, 1, 8, 8), (2, 4, 16, 8), (2, 2, 8, 24)])
+def test_chunk_matches_recurrent(t, h, hv, dk, dv):
+    q, k, v, g, beta, s0 = _inputs(2, t, h, hv, dk, dv)
+    o1, s1 = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, chunk_size=16)
+    o2, s2 = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)
+    # fp32 throughout; differences are summation order only
+    torch.testing.assert_close(o1, o2, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s1, s2, atol=2e-5, rtol=1e-5)
+
+
+def test_varlen_equals_separate_sequences():
+    lens = [3, 70, 1, 17]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, g, beta, _ = _inputs(1, sum(lens), 2, 4, 8, 8, seed=1)
+    s0 = torch.randn(len(lens), 4, 8, 8)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                  use_qk_l2norm_in_kernel=True)
+    for i in range(len(lens)):
+        sl = slice(int(cu[i]), int(cu[i + 1]))
+        oi, si = recurrent_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                            initial_state=s0[i : i + 1], output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(o[:, sl], oi, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(s[i : i + 1], si, atol=2e-5, rtol=1e-5)
+
+
+def test_initial_state_is_not_modified():
+    q, k, v, g, beta, s0 = _inputs(1, 20, 1, 1, 4, 4)
+    before = s0.clone()
+    chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert torch.equal(s0, before)
+
+
+@pytest.mark.parametrize("t", [1, 2, 9])
+def test_conv_with_window_equals_padded_conv(t):
+    c, w = 6, 4
+    x = torch.randn(1, 12, c)
+    weight = torch.randn(c, w)
+    full = F.silu(F.conv1d(x.transpose(1, 2), weight[:, None], padding=w - 1, groups=c)[..., :12]).transpose(1, 2)
+    # the same sequence in two pieces: the window carries the boundary
+    y1, win = causal_conv1d(x[:, :t], weight)
+    y2, _ = causal_conv1d(x[:, t:], weight, window=win)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), full, atol=1e-6, rtol=1e-6)
+
+
+def test_position_attention_matches_sdpa_and_ignores_key_order():
+    nq, h, hkv, d = 7, 4, 2, 8
+    q, k, v = torch.randn(nq, h, d), torch.randn(nq, hkv, d), torch.randn(nq, hkv, d)
+    pos = torch.arange(10, 10 + nq)
+    out = position_attention(q, k, v, pos, pos, scale=d ** -0.5)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
+                                         v.repeat_interleave(2, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    perm = torch.randperm(nq)
+    out2 = position_attention(q, k[perm], v[perm], pos, pos[perm], scale=d ** -0.5)
+    torch.testing.assert_close(out2, out, atol=1e-6, rtol=1e-6)
+
+
+def test_moe_matches_dense_loop():
+    n, hd, e, i, k = 10, 8, 5, 6, 2
+    x, router = torch.randn(n, hd), torch.randn(e, hd)
+    gate_up, down = torch.randn(e, 2 * i, hd), torch.randn(e, hd, i)
+    w, idx = route(x, router, k, True)
+    y = experts_forward(x, w, idx, gate_up, down)
+    ref = torch.zeros_like(x)
+    for t in range(n):
+        for j in range(k):
+            ex = int(idx[t, j])
+            gu = gate_up[ex] @ x[t]
+            ref[t] += w[t, j] * (down[ex] @ (F.silu(gu[:i]) * gu[i:]))
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.sum(-1), torch.ones(n))
