@@ -1,0 +1,138 @@
+"""Command line: `hypic generate` and `hypic demo`.
+
+    hypic demo [--model tiny-qwen3.5]
+    hypic generate --model DIR|PRESET --segment TEXT ... --query TEXT [--prefix TEXT] [--mode pic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import HypicError
+
+
+def _read(text: str | None, path: str | None) -> str | None:
+    if path:
+        return Path(path).read_text(encoding="utf-8")
+    return text
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-qwen3.5", help="checkpoint directory or preset name")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seam", type=int, default=8)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from . import LLM, Prompt, SamplingParams
+
+    segments = list(a.segment or []) + [Path(f).read_text(encoding="utf-8") for f in (a.segment_file or [])]
+    query = _read(a.query, a.query_file)
+    if query is None:
+        raise HypicError("give --query or --query-file")
+    prefix = _read(a.prefix, a.prefix_file)
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.mode, seam=a.seam, load_format=a.load_format,
+              seed=a.seed)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.seed)
+    out = llm.generate([Prompt(segments=segments, query=query, prefix=prefix)], params)[0]
+    if a.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "ttft_ms": round(out.ttft_s * 1e3, 3), "prompt_tokens": out.num_prompt_tokens,
+                          "prefix_tokens": out.prefix_tokens, "composed_tokens": out.composed_tokens,
+                          "recomputed_tokens": out.recomputed_tokens, "mode": out.mode}))
+    else:
+        print(out.text if out.text is not None else out.token_ids)
+        print(f"[{out.mode}] ttft {out.ttft_s * 1e3:.1f} ms | prompt {out.num_prompt_tokens} tokens: "
+              f"prefix {out.prefix_tokens}, composed {out.composed_tokens}, recomputed {out.recomputed_tokens}",
+              file=sys.stderr)
+    return 0
+
+
+DEMO_DOCS = [
+    "Document 1. The Tarn valley railway opened in 1891 and carried slate from the upper quarries to the port "
+    "of Aberlyn. Its locomotives were named after local rivers. " * 6,
+    "Document 2. Aberlyn's harbour master keeps a log of every ship that enters the port. In winter storms the "
+    "outer breakwater is closed and ships anchor in the bay. " * 6,
+    "Document 3. The upper quarries closed in 1962; the railway bed is now a walking trail that climbs 400 metres "
+    "over eleven kilometres. " * 6,
+    "Document 4. Slate from the valley roofed houses across the region; the quarry company's ledgers survive in "
+    "the county archive. " * 6,
+]
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from . import LLM, Prompt, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, seam=a.seam, load_format=a.load_format, seed=a.seed)
+    print(f"model {a.model} loaded in {time.perf_counter() - t0:.2f} s "
+          f"({sum(p.numel() for p in llm.engine.model.parameters()) / 1e6:.2f} M parameters, random weights)"
+          if a.model.startswith(("tiny-", "small-")) else f"model {a.model} loaded")
+    prefix = "You answer questions using the documents below.\n"
+    query = "\nQuestion: when did the upper quarries close?\nAnswer:"
+    params = SamplingParams(max_tokens=a.max_tokens)
+    orders = [DEMO_DOCS, [DEMO_DOCS[i] for i in (2, 0, 3, 1)]]
+    print("Two requests with the same four documents, the second in a new order (warm caches).\n")
+    header = f"{'mode':<7} {'request':<9} {'ttft ms':>9} {'prefix':>7} {'composed':>9} {'recomputed':>11}  answer"
+    print(header)
+    print("-" * len(header))
+    answers = {}
+    for mode in ("full", "prefix", "pic"):
+        llm.set_policy(mode, a.seam)
+        llm.clear_cache()
+        for i, docs in enumerate(orders):
+            out = llm.generate([Prompt(prefix=prefix, segments=docs, query=query)], params)[0]
+            answers[(mode, i)] = out.token_ids
+            print(f"{mode:<7} {'first' if i == 0 else 'reordered':<9} {out.ttft_s * 1e3:>9.1f} {out.prefix_tokens:>7} "
+                  f"{out.composed_tokens:>9} {out.recomputed_tokens:>11}  {out.text!r}")
+    print()
+    for i, name in enumerate(("first", "reordered")):
+        same_prefix = answers[("prefix", i)] == answers[("full", i)]
+        same_pic = answers[("pic", i)] == answers[("full", i)]
+        print(f"{name} request: prefix {'==' if same_prefix else '!='} full; pic {'==' if same_pic else '!='} full"
+              + ("" if same_pic else " (PIC is an approximation: seam window, independent segments)"))
+    print("\nprefix mode reuses only an exact prefix, so the reordered request recomputes the moved documents;\n"
+          "pic composes every cached document in its new place and recomputes only the seams and the query.")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hypic", description="Position-independent caching for hybrid LLMs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate from prefix + segments + query")
+    _engine_args(g)
+    g.add_argument("--mode", default="pic", help="full | prefix | naive | pic")
+    g.add_argument("--prefix")
+    g.add_argument("--prefix-file")
+    g.add_argument("--segment", action="append", help="a segment's text (repeatable)")
+    g.add_argument("--segment-file", action="append", help="a file whose text is one segment (repeatable)")
+    g.add_argument("--query")
+    g.add_argument("--query-file")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(fn=cmd_generate)
+    d = sub.add_parser("demo", help="a short RAG scenario under full, prefix and pic")
+    _engine_args(d)
+    d.add_argument("--max-tokens", type=int, default=12)
+    d.set_defaults(fn=cmd_demo)
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (HypicError, OSError) as e:
+        print(f"hypic: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The Python API around the algorithm: bad requests, sampling, the store, namespaces, the CLI."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hypic import LLM, InvalidRequestError, Prompt, SamplingParams
+from hypic.cache.store import MemoryStore
+from .conftest import rand_ids
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM("tiny-qwen3.5", cache_mode="pic", seam=4)
+
+
+def _good():
+    return Prompt(prefix=[5, 6, 7], segments=[rand_ids(30, 1), rand_ids(25, 2)], query=[9, 10])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (Prompt(query=[]), "query is empty"),
+    (Prompt(segments=[[1, 2]], query=""), "query is empty"),
+    (Prompt(segments=[[]], query=[1]), "segment 0 is empty"),
+    (Prompt(segments=[[1, 999999]], query=[1]), "outside the vocabulary"),
+    (Prompt(query=[-1]), "outside the vocabulary"),
+    (Prompt(query=[1.5]), "must be integers"),
+    (Prompt(segments="one string", query=[1]), "not a single string"),
+    (Prompt(query=[1] * 70000), "exceeds the model's maximum"),
+])
+def test_bad_prompts_raise_and_lose_nothing(tiny, bad, match):
+    tiny.clear_cache()
+    before = tiny.generate([_good()], SamplingParams(max_tokens=4, return_logits=True))[0]
+    stats = tiny.cache_stats()
+    with pytest.raises(InvalidRequestError, match=match):
+        tiny.generate([_good(), bad])           # the whole call is refused before any work
+    assert tiny.cache_stats() == stats
+    after = tiny.generate([_good()], SamplingParams(max_tokens=4, return_logits=True))[0]
+    assert after.token_ids == before.token_ids
+    torch.testing.assert_close(after.logits, before.logits, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+])
+def test_bad_sampling_params(kw, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kw)
+
+
+def test_sampling(tiny):
+    p = _good()
+    greedy = tiny.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    assert tiny.generate([p], SamplingParams(max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True))[0].token_ids == greedy
+    s = SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, seed=123, ignore_eos=True)
+    a, b = tiny.generate([p, p], [s, s])
+    assert a.token_ids == b.token_ids                       # same seed, same tokens
+    c = tiny.generate([p], SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, seed=7, ignore_eos=True))[0]
+    assert c.token_ids != a.token_ids
+    stop = greedy[2]
+    o = tiny.generate([p], SamplingParams(max_tokens=8, stop_token_ids=(stop,), ignore_eos=True))[0]
+    assert o.finish_reason == "stop" and o.token_ids == greedy[: greedy.index(stop) + 1]
+    o = tiny.generate([p], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert o.finish_reason == "length" and len(o.token_ids) == 3
+
+
+def test_batched_generate_equals_one_by_one(tiny):
+    prompts = [_good(), Prompt(segments=[rand_ids(40, 3)], query=[1]), Prompt(query=rand_ids(12, 4))]
+    sp = SamplingParams(max_tokens=5, ignore_eos=True, return_logits=True)
+    together = tiny.generate(prompts, sp)
+    for p, o in zip(prompts, together):
+        alone = tiny.generate([p], sp)[0]
+        assert alone.token_ids == o.token_ids
+        torch.testing.assert_close(alone.logits, o.logits, atol=1e-5, rtol=0)
+
+
+def test_score_matches_generation_logits(tiny):
+    p = _good()
+    out = tiny.generate([p], SamplingParams(max_tokens=5, ignore_eos=True, return_logits=True))[0]
+    lp = tiny.score(p, out.token_ids)
+    ref = [float(torch.log_softmax(out.logits[i], -1)[t]) for i, t in enumerate(out.token_ids)]
+    assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-4
+    with pytest.raises(InvalidRequestError):
+        tiny.score(p, [])
+
+
+def test_namespaces_isolate_segments(tiny):
+    tiny.clear_cache()
+    seg = rand_ids(50, 9)
+    a = tiny.generate([Prompt(segments=[seg], query=[1], namespace="tenant-a")])[0]
+    b = tiny.generate([Prompt(segments=[seg], query=[1], namespace="tenant-b")])[0]
+    again = tiny.generate([Prompt(segments=[seg], query=[1], namespace="tenant-a")])[0]
+    assert a.cold_prefill_tokens == 50 and b.cold_prefill_tokens == 50 and again.cold_prefill_tokens == 0
+    assert tiny.cache_stats()["segments"]["entries"] == 2
+
+
+def test_store_lru_budget_and_accounting(tiny):
+    class V:
+        def __init__(self, n):
+            self.nbytes = n
+
+    s = MemoryStore(100)
+    assert s.put("a", V(40)) and s.put("b", V(40))
+    s.get("a")                                   # b is now least recently used
+    assert s.put("c", V(40))
+    assert "b" not in s and "a" in s and "c" in s
+    assert not s.put("huge", V(101)) and len(s) == 2
+    st = s.stats()
+    assert st.evictions == 1 and st.rejected == 1 and st.bytes == 80
+    s.check()
+    assert s.delete("a") and not s.delete("a")
+    s.check()
+    # the engine's store under a small budget: entries are evicted, results do not change
+    small = LLM("tiny-qwen3.5", cache_mode="pic", seam=4, segment_cache_bytes=60_000)
+    p = Prompt(segments=[rand_ids(200, i) for i in range(4)], query=[1, 2])
+    first = small.generate([p], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    second = small.generate([p], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    st = small.cache_stats()["segments"]
+    assert st["bytes"] <= 60_000 and st["evictions"] + st["rejected"] > 0
+    assert first.token_ids == second.token_ids
+    small.engine.segments.check()
+
+
+def test_cli_demo_and_generate():
+    out = subprocess.run([sys.executable, "-m", "hypic.cli", "demo", "--max-tokens", "3"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "reordered" in out.stdout and "pic" in out.stdout and "== full" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "hypic.cli", "generate", "--segment", "doc one", "--segment",
+                          "doc two", "--query", "q?", "--max-tokens", "2", "--json"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert '"composed_tokens"' in out.stdout
+    out = subprocess.run([sys.executable, "-m", "hypic.cli", "generate", "--query", "q", "--seam", "-1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "seam" in out.stderr

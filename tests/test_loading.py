@@ -1,0 +1,133 @@
+"""Checkpoint formats and bad-input handling of the loader."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hypic import LLM, ConfigError, Prompt, UnsupportedArchitectureError, WeightsError
+from .conftest import rand_ids
+
+
+def _reference_logits(path, ids):
+    return LLM(str(path), cache_mode="full").next_token_logits(Prompt(query=ids))
+
+
+def test_sharded_checkpoint(hf_checkpoints, tmp_path):
+    model, path = hf_checkpoints["qwen3_5_moe"]
+    model.save_pretrained(tmp_path, max_shard_size="300KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    ids = rand_ids(20, 1)
+    torch.testing.assert_close(_reference_logits(tmp_path, ids), _reference_logits(path, ids), atol=0, rtol=0)
+
+
+def test_nested_text_config_and_fused_experts(hf_checkpoints, llms, tmp_path):
+    """The multimodal layout: config with text_config, weights under model.language_model.*, experts
+    already fused (gate_up_proj / down_proj), vision and MTP tensors present and ignored."""
+    _, path = hf_checkpoints["qwen3_5_moe"]
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": cfg,
+                                                      "vision_config": {"depth": 1}}))
+    sd = {k: v.clone() for k, v in llms["qwen3_5_moe"].engine.model.state_dict().items()}
+    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
+    renamed["model.visual.patch_embed.weight"] = torch.zeros(2, 2)
+    renamed["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    ids = rand_ids(20, 2)
+    torch.testing.assert_close(_reference_logits(tmp_path, ids), _reference_logits(path, ids), atol=0, rtol=0)
+
+
+def test_tokenizer_files_and_text_prompts(hf_checkpoints, tmp_path):
+    _, path = hf_checkpoints["qwen3_5"]
+    llm = LLM(str(path))
+    assert llm.tokenizer is not None and llm.tokenizer.chat_template
+    out = llm.generate([Prompt(segments=["a document"], query="a question")])[0]
+    assert isinstance(out.text, str)
+    # the same checkpoint without tokenizer files: token ids work, text is refused clearly
+    for f in path.iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, tmp_path / f.name)
+    bare = LLM(str(tmp_path))
+    assert bare.tokenizer is None
+    assert bare.generate([Prompt(query=[1, 2, 3])])[0].text is None
+    with pytest.raises(ValueError, match="no tokenizer"):
+        bare.generate([Prompt(query="text")])
+
+
+def test_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(UnsupportedArchitectureError, match="llama"):
+        LLM(str(tmp_path))
+
+
+def test_unsupported_layer_type(hf_checkpoints, tmp_path):
+    _, path = hf_checkpoints["qwen3_5"]
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention"] + cfg["layer_types"][1:]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="sliding_attention"):
+        LLM(str(tmp_path), load_format="dummy")
+
+
+def test_missing_and_mismatched_weights(hf_checkpoints, tmp_path):
+    _, path = hf_checkpoints["qwen3_5"]
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    with pytest.raises(WeightsError, match="no \\*.safetensors"):
+        LLM(str(tmp_path))
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path / "model.safetensors"))
+    partial = dict(sd)
+    partial.pop("model.norm.weight")
+    save_file(partial, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightsError, match="missing"):
+        LLM(str(tmp_path))
+    bad = dict(sd)
+    bad["model.norm.weight"] = torch.zeros(3)
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightsError, match="shape"):
+        LLM(str(tmp_path))
+    extra = dict(sd)
+    extra["model.layers.0.something_else"] = torch.zeros(3)
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightsError, match="match no parameter"):
+        LLM(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WeightsError, match="cannot read"):
+        LLM(str(tmp_path))
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "shard-1.safetensors"}}))
+    with pytest.raises(WeightsError, match="missing"):
+        LLM(str(tmp_path))
+
+
+def test_unknown_model_and_options():
+    with pytest.raises(ConfigError, match="neither a preset"):
+        LLM("no-such-model-or-dir")
+    with pytest.raises(ConfigError, match="seam"):
+        LLM("tiny-qwen3.5", seam=-1)
+    with pytest.raises(ConfigError, match="cache mode"):
+        LLM("tiny-qwen3.5", cache_mode="bogus")
+    with pytest.raises(ConfigError, match="load_format"):
+        LLM("tiny-qwen3.5", load_format="gguf")
+
+
+def test_dummy_load_of_a_directory(hf_checkpoints):
+    _, path = hf_checkpoints["qwen3_next"]
+    a = LLM(str(path), load_format="dummy", seed=1).next_token_logits(Prompt(query=[1, 2]))
+    b = LLM(str(path), load_format="dummy", seed=1).next_token_logits(Prompt(query=[1, 2]))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_real_size_presets_parse():
+    from hypic.config import ModelConfig
+    from hypic.models.presets import preset_config
+
+    c = ModelConfig.from_dict(preset_config("qwen3.5-35b-a3b"))
+    assert c.num_layers == 40 and len(c.linear_layers) == 30 and c.attention_layers[0] == 3
+    assert c.rotary_dim == 64 and c.num_experts == 256 and len(c.moe_layers) == 40
+    n = ModelConfig.from_dict(preset_config("qwen3-next-80b-a3b"))
+    assert n.num_layers == 48 and len(n.attention_layers) == 12 and n.num_experts == 512
