@@ -6,6 +6,7 @@ forwarded separately, the T trick subtracts T @ S_w), so logits agree to ~1e-6 i
 1e-4 absolute, two orders above what we observe and still far below the naive-mode gap (> 1e-2).
 """
 
+import pytest
 import torch
 
 from hypic import Prompt, SamplingParams
@@ -33,9 +34,10 @@ def _decode(llm, prompt, mode, seam=8, n=6):
     return out
 
 
-def test_seam_covering_every_segment_equals_full(llm):
+@pytest.mark.parametrize("prefix", [0, 12])
+def test_seam_covering_every_segment_equals_full(llm, prefix):
     """Invariant 2: w >= every segment length -> PIC == full recompute (prefill and decode)."""
-    p = _prompt()
+    p = _prompt(prefix=prefix)
     seam = 130
     full = _decode(llm, p, "full")
     pic = _decode(llm, p, "pic", seam=seam)
@@ -56,10 +58,11 @@ def test_one_segment_no_prefix_equals_full(llm):
         torch.testing.assert_close(pic.logits, full.logits, atol=ATOL, rtol=0)
 
 
-def test_hit_miss_invariance(llm):
+@pytest.mark.parametrize("prefix", [0, 12])
+def test_hit_miss_invariance(llm, prefix):
     """Invariant 4: the same tokens and logits whether entries were fresh or cached, and whatever
     earlier requests warmed the cache (in another order, in other batches)."""
-    p = _prompt(seed=1)
+    p = _prompt(seed=1, prefix=prefix)
     llm.set_policy("pic", 8)
     cold = llm.generate([p], SamplingParams(max_tokens=5, return_logits=True))[0]
     assert cold.cold_prefill_tokens > 0
