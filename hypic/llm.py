@@ -54,7 +54,8 @@ class LLM:
         self.engine.config = self.config
 
     # -- requests -------------------------------------------------------------------------------
-    def _requests(self, prompts, params) -> list[Request]:
+    def make_requests(self, prompts, params) -> list[Request]:
+        """Validate and tokenize prompts into engine Requests (raises InvalidRequestError, touches no state)."""
         if isinstance(prompts, Prompt):
             prompts = [prompts]
         prompts = list(prompts)
@@ -85,11 +86,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        return self.engine.generate(self._requests(prompts, sampling_params))
+        return self.engine.generate(self.make_requests(prompts, sampling_params))
 
     def next_token_logits(self, prompt: Prompt) -> torch.Tensor:
         """fp32 logits [vocab] after the last query token, under the current cache mode."""
-        (req,) = self._requests([prompt], SamplingParams(max_tokens=1))
+        (req,) = self.make_requests([prompt], SamplingParams(max_tokens=1))
         logits = self.engine.prefill([req])[0]
         req.state = None
         return logits.cpu()
@@ -108,7 +109,7 @@ class LLM:
         for t in cont:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size:
                 raise InvalidRequestError(f"continuation token {t!r} is outside the vocabulary")
-        (req,) = self._requests([prompt], SamplingParams(max_tokens=len(cont)))
+        (req,) = self.make_requests([prompt], SamplingParams(max_tokens=len(cont)))
         if len(req.prompt) + len(cont) > cfg.max_position_embeddings:
             raise InvalidRequestError("prompt plus continuation exceed the model's maximum length")
         first = self.engine.prefill([req])[0]

@@ -196,7 +196,8 @@ class Engine:
         builder.add(r.state, [("run", list(tokens))], logits="all")
         return self.model(builder.build())
 
-    def _accept(self, r: Request, logits: torch.Tensor) -> None:
+    def accept(self, r: Request, logits: torch.Tensor) -> int:
+        """Sample the next token of r from its logits, record it and decide whether r stops."""
         token = sample(logits, r.params, r.generator)
         if r.params.return_logits:
             r.logits.append(logits.cpu())
@@ -206,6 +207,7 @@ class Engine:
             r.finish_reason = "stop"
         elif len(r.output_ids) >= p.max_tokens or r.state.length >= self.cfg.max_position_embeddings:
             r.finish_reason = "length"
+        return token
 
     @property
     def _eos(self) -> tuple[int, ...]:
@@ -220,17 +222,18 @@ class Engine:
             logits = self.prefill(group)
             now = time.perf_counter()
             for r, row in zip(group, logits):
-                self._accept(r, row)
+                self.accept(r, row)
                 r.ttft_s = now - r.t_start
         running = [r for r in reqs if not r.finished]
         while running:
             logits = self.step(running)
             for r, row in zip(running, logits):
-                self._accept(r, row)
+                self.accept(r, row)
             running = [r for r in running if not r.finished]
-        return [self._output(r) for r in reqs]
+        return [self.finish(r) for r in reqs]
 
-    def _output(self, r: Request) -> RequestOutput:
+    def finish(self, r: Request) -> RequestOutput:
+        """The request's output; releases its state (KV, recurrent states)."""
         tok = self.loaded.tokenizer
         stop = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self._eos))
         shown = r.output_ids[:-1] if r.finish_reason == "stop" and r.output_ids[-1] in stop else r.output_ids
