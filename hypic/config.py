@@ -18,53 +18,29 @@ from typing import Any
 
 from .errors import ConfigError, UnsupportedArchitectureError
 
-# HF model_type -> hypic architecture. The nested multimodal configs (`qwen3_5`, `qwen3_5_moe`)
-# carry the text model under `text_config`; hypic serves the text model.
-ARCHITECTURES = {
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_text": "qwen3_5",
-    "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_5_moe_text": "qwen3_5_moe",
-    "qwen3_next": "qwen3_next",
-}
-_TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next": "qwen3_next"}
 LINEAR, FULL = "linear_attention", "full_attention"
+MLP_ONLY = "mlp"              # a block without a token mixer (Nemotron-H's MLP / MoE blocks)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                                  # "qwen3_5" | "qwen3_5_moe" | "qwen3_next"
+    """A common core every architecture has, plus `params`: the architecture's own frozen
+    dataclass (one per family, defined below), read by its model module as `cfg.params.<name>`.
+    Values come from transformers' own config class for the model type (`AutoConfig.for_model`),
+    so defaults, legacy names and validation match transformers."""
+
+    arch: str                                  # hypic architecture (ARCHITECTURES values)
+    hf_model_type: str                         # transformers model_type of the text model
     vocab_size: int
     hidden_size: int
-    layer_types: tuple[str, ...]               # LINEAR or FULL per layer
+    layer_types: tuple[str, ...]               # LINEAR, FULL or MLP_ONLY per layer
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
     initializer_range: float
-    # full attention (gated, q/k RMSNorm, partial RoPE)
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_parameters: tuple[tuple[str, Any], ...]
-    attention_bias: bool
-    # linear attention (Gated DeltaNet)
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    # feed-forward: dense MLP, or MoE on the layers `moe_layers` names
-    intermediate_size: int
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    moe_layers: tuple[int, ...] = ()
+    params: Any = None                         # architecture-specific frozen dataclass
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    hf_model_type: str = ""
     raw: tuple[tuple[str, Any], ...] = field(default=(), repr=False, compare=False)
 
     @property
@@ -79,17 +55,15 @@ class ModelConfig:
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
 
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def rope(self) -> dict[str, Any]:
-        return dict(self.rope_parameters)
-
     def to_hf_dict(self) -> dict[str, Any]:
         """The text-model config dict as transformers reads it (used for RoPE variants and export)."""
         return json.loads(json.dumps(dict(self.raw)))
+
+    def hf_config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(self.hf_model_type, **{k: v for k, v in self.to_hf_dict().items()
+                                                           if k != "model_type"})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -103,53 +77,31 @@ class ModelConfig:
         if model_type not in ARCHITECTURES:
             raise UnsupportedArchitectureError(
                 f"unsupported model_type {model_type!r}; hypic supports {sorted(set(ARCHITECTURES))}"
+                + (f" ({UNSUPPORTED[model_type]})" if model_type in UNSUPPORTED else "")
             )
-        arch = ARCHITECTURES[model_type]
-        hf_type = _TEXT_MODEL_TYPE[arch]
+        spec = ARCHITECTURES[model_type]
         from transformers import AutoConfig  # defaults and rope normalisation come from transformers itself
 
         kwargs = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")}
         try:
-            hf = AutoConfig.for_model(hf_type, **kwargs)
+            hf = AutoConfig.for_model(spec.hf_type, **kwargs)
         except Exception as e:  # transformers validates values (types, ranges)
             raise ConfigError(f"invalid {model_type} config: {e}") from e
-        g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
-        layer_types = tuple(g("layer_types"))
-        bad = sorted({t for t in layer_types if t not in (LINEAR, FULL)})
+        layer_types, params = spec.parse(hf)
+        bad = sorted({t for t in layer_types if t not in (LINEAR, FULL, MLP_ONLY)})
         if bad:
             raise UnsupportedArchitectureError(f"unsupported layer type(s) {bad} in {model_type} config")
-        rope = dict(g("rope_parameters") or {})
-        head_dim = g("head_dim") or hf.hidden_size // hf.num_attention_heads
-        rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-        num_experts = int(g("num_experts", 0) or 0) if arch != "qwen3_5" else 0
-        if arch == "qwen3_5_moe":
-            moe_layers = tuple(range(hf.num_hidden_layers))
-        elif arch == "qwen3_next" and num_experts > 0:
-            step = g("decoder_sparse_step", 1)
-            only = set(g("mlp_only_layers", []) or [])
-            moe_layers = tuple(i for i in range(hf.num_hidden_layers) if i not in only and (i + 1) % step == 0)
-        else:
-            moe_layers = ()
+        g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
         eos = g("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        raw = hf.to_dict()
+        eps = g("rms_norm_eps", None) or g("layer_norm_epsilon", None) or 1e-6
         return cls(
-            arch=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, layer_types=layer_types,
-            rms_norm_eps=hf.rms_norm_eps, max_position_embeddings=hf.max_position_embeddings,
+            arch=spec.arch, hf_model_type=spec.hf_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            layer_types=tuple(layer_types), rms_norm_eps=float(eps),
+            max_position_embeddings=int(g("max_position_embeddings", 1 << 20) or (1 << 20)),
             tie_word_embeddings=bool(g("tie_word_embeddings", False)), initializer_range=g("initializer_range", 0.02),
-            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
-            head_dim=head_dim, rotary_dim=rotary_dim, rope_parameters=tuple(sorted(rope.items(), key=lambda kv: kv[0])),
-            attention_bias=bool(g("attention_bias", False)),
-            linear_num_key_heads=hf.linear_num_key_heads, linear_num_value_heads=hf.linear_num_value_heads,
-            linear_key_head_dim=hf.linear_key_head_dim, linear_value_head_dim=hf.linear_value_head_dim,
-            linear_conv_kernel_dim=hf.linear_conv_kernel_dim,
-            intermediate_size=int(g("intermediate_size", 0) or 0),
-            num_experts=num_experts, num_experts_per_tok=int(g("num_experts_per_tok", 0) or 0),
-            moe_intermediate_size=int(g("moe_intermediate_size", 0) or 0),
-            shared_expert_intermediate_size=int(g("shared_expert_intermediate_size", 0) or 0),
-            norm_topk_prob=bool(g("norm_topk_prob", True)), moe_layers=moe_layers,
-            eos_token_ids=eos, bos_token_id=g("bos_token_id"), hf_model_type=hf_type,
-            raw=tuple(sorted(((k, _freeze(v)) for k, v in raw.items()), key=lambda kv: kv[0])),
+            params=params, eos_token_ids=eos, bos_token_id=g("bos_token_id"),
+            raw=tuple(sorted(((k, _freeze(v)) for k, v in hf.to_dict().items()), key=lambda kv: kv[0])),
         )
 
     @classmethod
@@ -162,6 +114,91 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
         return cls.from_dict(d)
+
+
+# -- architecture-specific parts ---------------------------------------------------------------------
+def _rope(hf) -> tuple[tuple[str, Any], ...]:
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    return tuple(sorted(rope.items(), key=lambda kv: kv[0]))
+
+
+def _layer_types(hf, mapping: dict[str, str], attr: str = "layer_types") -> tuple[str, ...]:
+    """HF per-layer type names -> LINEAR / FULL / MLP_ONLY; unknown names pass through (and are refused)."""
+    return tuple(mapping.get(t, t) for t in getattr(hf, attr))
+
+
+@dataclass(frozen=True)
+class QwenHybridParams:
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: Gated DeltaNet + gated attention with partial RoPE."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_parameters: tuple
+    attention_bias: bool
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
+
+
+def _parse_qwen(arch):
+    def parse(hf):
+        g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
+        rope = dict(_rope(hf))
+        head_dim = g("head_dim") or hf.hidden_size // hf.num_attention_heads
+        num_experts = int(g("num_experts", 0) or 0) if arch != "qwen3_5" else 0
+        if arch == "qwen3_5_moe":
+            moe_layers = tuple(range(hf.num_hidden_layers))
+        elif arch == "qwen3_next" and num_experts > 0:
+            step = g("decoder_sparse_step", 1)
+            only = set(g("mlp_only_layers", []) or [])
+            moe_layers = tuple(i for i in range(hf.num_hidden_layers) if i not in only and (i + 1) % step == 0)
+        else:
+            moe_layers = ()
+        params = QwenHybridParams(
+            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+            head_dim=head_dim, rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+            rope_parameters=_rope(hf), attention_bias=bool(g("attention_bias", False)),
+            linear_num_key_heads=hf.linear_num_key_heads, linear_num_value_heads=hf.linear_num_value_heads,
+            linear_key_head_dim=hf.linear_key_head_dim, linear_value_head_dim=hf.linear_value_head_dim,
+            linear_conv_kernel_dim=hf.linear_conv_kernel_dim, intermediate_size=int(g("intermediate_size", 0) or 0),
+            num_experts=num_experts, num_experts_per_tok=int(g("num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(g("moe_intermediate_size", 0) or 0),
+            shared_expert_intermediate_size=int(g("shared_expert_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(g("norm_topk_prob", True)), moe_layers=moe_layers)
+        return _layer_types(hf, {}), params
+    return parse
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    arch: str          # hypic architecture: selects the model module (models/registry.py)
+    hf_type: str       # transformers model_type whose config class parses the dict
+    parse: Any         # hf config -> (layer_types, params)
+
+
+# HF model_type -> hypic architecture. The nested multimodal configs (`qwen3_5`, `qwen3_5_moe`)
+# carry the text model under `text_config`; hypic serves the text model.
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "qwen3_5": ArchSpec("qwen3_5", "qwen3_5_text", _parse_qwen("qwen3_5")),
+    "qwen3_5_text": ArchSpec("qwen3_5", "qwen3_5_text", _parse_qwen("qwen3_5")),
+    "qwen3_5_moe": ArchSpec("qwen3_5_moe", "qwen3_5_moe_text", _parse_qwen("qwen3_5_moe")),
+    "qwen3_5_moe_text": ArchSpec("qwen3_5_moe", "qwen3_5_moe_text", _parse_qwen("qwen3_5_moe")),
+    "qwen3_next": ArchSpec("qwen3_next", "qwen3_next", _parse_qwen("qwen3_next")),
+}
+_TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
+UNSUPPORTED: dict[str, str] = {}
 
 
 def _freeze(v):

@@ -4,7 +4,7 @@ on the same inputs, with slow decays (T far from 0, so a wrong transpose or orde
 import pytest
 import torch
 
-from hypic.compose.linear import augment, compose, compose_chain, split_summary
+from hypic.compose.transition import augment, compose, compose_chain, split_augmented, zero_start
 from hypic.ops.reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
@@ -22,7 +22,8 @@ def summarize(q, k, v, g, beta, init=None):
     v_aug, init_aug = augment(v, init, dk)
     _, final = chunk_gated_delta_rule(q, k, v_aug, g, beta, initial_state=init_aug, output_final_state=True,
                                       use_qk_l2norm_in_kernel=True, chunk_size=16)
-    return split_summary(final, init, dv)
+    s_out, (t,) = split_augmented(final, dv)
+    return s_out, t, zero_start(s_out, t, init)
 
 
 @pytest.mark.parametrize("lengths", [[5], [1, 3, 7], [64, 130, 2, 33], [1, 1, 1, 1]])
@@ -48,7 +49,7 @@ def test_summary_with_nonzero_initial_state():
     s_in = torch.randn(1, 4, 8, 6)
     s_out, T, S = summarize(q, k, v, g, beta, init=s_in)
     _, T0, S0 = summarize(q, k, v, g, beta)
-    torch.testing.assert_close(T, T0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(T.t, T0.t, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(S, S0, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(compose(s_in, T, S), s_out, atol=1e-5, rtol=1e-5)
 
@@ -60,7 +61,7 @@ def test_transition_is_not_trivial_and_naive_is_wrong():
     _, ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s_in, output_final_state=True,
                                         use_qk_l2norm_in_kernel=True)
     _, T, S = summarize(q, k, v, g, beta)
-    assert T.norm() > 0.1 * torch.eye(8).expand_as(T).norm()
+    assert T.t.norm() > 0.1 * torch.eye(8).expand_as(T.t).norm()
     naive = compose(s_in, T, S, exact=False)
     assert (naive - ref).norm() / ref.norm() > 0.1
     assert (compose(s_in, T, S) - ref).norm() / ref.norm() < 1e-5
@@ -73,7 +74,7 @@ def test_gdn_layer_compose_equals_sequential(lengths, seam):
     versus seams forwarded in context with each segment's isolated summary of [w, L) composed in
     between. Exact when w >= W-1 (the cached part's conv warm-up lies inside the segment); for
     w < W-1 only the conv window chain is exact, and the test checks that alone."""
-    from hypic.cache.entry import LinearSummary, SegmentEntry
+    from hypic.cache.entry import SegmentEntry
     from hypic.config import ModelConfig
     from hypic.layers.gdn import GatedDeltaNet
     from hypic.models.presets import preset_config
@@ -85,7 +86,7 @@ def test_gdn_layer_compose_equals_sequential(lengths, seam):
     torch.manual_seed(0)
     layer = GatedDeltaNet(cfg, 0, get_backend("reference")).eval()
     with torch.no_grad():
-        layer.A_log.copy_(torch.empty(cfg.linear_num_value_heads).uniform_(0.01, 0.1).log())
+        layer.A_log.copy_(torch.empty(cfg.params.linear_num_value_heads).uniform_(0.01, 0.1).log())
         for p in (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_a, layer.in_proj_b, layer.out_proj):
             p.weight.normal_(0, 0.3)
     total = sum(lengths)
@@ -116,11 +117,11 @@ def test_gdn_layer_compose_equals_sequential(lengths, seam):
         items.append(("run", ids[a : a + w]))
         xs.append(x[a : a + w])
         if cap is not None:
-            e = SegmentEntry(None, (), n, w, {0: LinearSummary(cap["T"], cap["S"], cap["tail"])}, {})
+            e = SegmentEntry(None, (), n, w, {0: cap})
             items.append(("apply", e))
         a += n
     _, st, _ = run(lambda: items, torch.cat(xs))
-    torch.testing.assert_close(st.conv[0], st_ref.conv[0], atol=1e-6, rtol=1e-6)
-    if seam >= cfg.linear_conv_kernel_dim - 1:
-        rel = (st.rec[0] - st_ref.rec[0]).norm() / st_ref.rec[0].norm()
+    torch.testing.assert_close(st.layers[0].conv, st_ref.layers[0].conv, atol=1e-6, rtol=1e-6)
+    if seam >= cfg.params.linear_conv_kernel_dim - 1:
+        rel = (st.layers[0].rec - st_ref.layers[0].rec).norm() / st_ref.layers[0].rec.norm()
         assert rel < 1e-5, rel

@@ -128,6 +128,6 @@ def test_real_size_presets_parse():
 
     c = ModelConfig.from_dict(preset_config("qwen3.5-35b-a3b"))
     assert c.num_layers == 40 and len(c.linear_layers) == 30 and c.attention_layers[0] == 3
-    assert c.rotary_dim == 64 and c.num_experts == 256 and len(c.moe_layers) == 40
+    assert c.params.rotary_dim == 64 and c.params.num_experts == 256 and len(c.params.moe_layers) == 40
     n = ModelConfig.from_dict(preset_config("qwen3-next-80b-a3b"))
-    assert n.num_layers == 48 and len(n.attention_layers) == 12 and n.num_experts == 512
+    assert n.num_layers == 48 and len(n.attention_layers) == 12 and n.params.num_experts == 512

@@ -1,6 +1,6 @@
-from .entry import AttnKV, LinearSummary, PrefixNode, SegmentEntry, SegmentKey
+from .entry import AttnKV, KVSpan, LinearSummary, PrefixNode, SegmentEntry, SegmentKey
 from .prefix import PrefixCache
 from .store import MemoryStore, SegmentStore, StoreStats
 
-__all__ = ["AttnKV", "LinearSummary", "MemoryStore", "PrefixCache", "PrefixNode", "SegmentEntry", "SegmentKey",
+__all__ = ["AttnKV", "KVSpan", "LinearSummary", "MemoryStore", "PrefixCache", "PrefixNode", "SegmentEntry", "SegmentKey",
            "SegmentStore", "StoreStats"]

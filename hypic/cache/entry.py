@@ -1,13 +1,16 @@
-"""What the caches hold.
+"""What the caches hold. Each stateful layer's mixer builds its own part from its captures; the
+entries only store the parts by layer and account for their bytes.
 
 SegmentEntry (PIC), built from an isolated prefill of one segment (positions 0..L-1, zero states),
 for the cached part: tokens [w, L) where w = min(seam, L):
-    linear[layer]  LinearSummary  T [HV, K, K] fp32, S [HV, K, V] fp32 (zero start),
-                                  tail [min(W-1, L-w), C]: last raw conv inputs (the next segment's warm-up)
-    attn[layer]    AttnKV         k [L-w, Hkv, D] *pre-RoPE*, v [L-w, Hkv, D]: placeable at any position
+    layers[l]  LinearSummary  T (a Transition: scalar [H], diagonal [H, K] or dense [H, K, K], fp32),
+                              S [H, K, V] fp32 (zero start; RoPE'd-key families at segment position 0),
+                              tail [min(W-1, L-w), C] | None: last raw conv inputs (the next span's warm-up)
+               AttnKV         k [L-w, Hkv, Dk] placeable at any position (pre-RoPE, or no RoPE at all),
+                              v [L-w, Hkv, Dv]
 PrefixNode (exact prefix cache), one per span boundary, positions fixed:
-    linear[layer]  (rec [HV, K, V] fp32, conv [W-1, C]) after the span
-    attn[layer]    (k post-RoPE, v, pos) of the span's own tokens
+    layers[l]  LinearState    (rec, conv) after the span
+               KVSpan         (k as attended, v, pos) of the span's own tokens
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-
-def _nbytes(*tensors) -> int:
-    return sum(t.element_size() * t.nelement() for t in tensors if t is not None)
+from ..compose.transition import Transition
+from ..runtime.state import nbytes
 
 
 @dataclass(frozen=True)
@@ -38,17 +41,57 @@ class SegmentKey:
         return f"seg-{h[:24]}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class LinearSummary:
-    T: torch.Tensor
+    T: Transition
     S: torch.Tensor
-    tail: torch.Tensor
+    tail: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.T.nbytes + nbytes(self.S, self.tail)
+
+    def tensors(self):
+        yield f"T.{self.T.form.value}", self.T.t
+        yield "S", self.S
+        if self.tail is not None:
+            yield "tail", self.tail
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttnKV:
     k: torch.Tensor
     v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.k, self.v)
+
+    def tensors(self):
+        yield "k", self.k
+        yield "v", self.v
+
+
+@dataclass(frozen=True)
+class KVSpan:
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.k, self.v, self.pos)
+
+    def tensors(self):
+        yield "k", self.k
+        yield "v", self.v
+        yield "pos", self.pos
+
+
+def _layer_tensors(layers: dict[int, Any]):
+    for layer in sorted(layers):
+        for name, t in layers[layer].tensors():
+            yield f"{layer}.{name}", t
 
 
 @dataclass
@@ -57,8 +100,7 @@ class SegmentEntry:
     seam_ids: tuple[int, ...]
     length: int
     seam: int                                   # w = min(policy seam, length)
-    linear: dict[int, LinearSummary]
-    attn: dict[int, AttnKV]
+    layers: dict[int, Any]                      # layer -> LinearSummary | AttnKV
     prefill_s: float = 0.0                      # isolated prefill time (cost-aware eviction)
     created: float = field(default_factory=time.time)
 
@@ -68,23 +110,15 @@ class SegmentEntry:
 
     @property
     def dtype(self) -> str:
-        kv = next(iter(self.attn.values()), None)
+        kv = next((p for p in self.layers.values() if isinstance(p, AttnKV)), None)
         return str(kv.k.dtype).replace("torch.", "") if kv is not None else "float32"
 
     @property
     def nbytes(self) -> int:
-        n = sum(_nbytes(s.T, s.S, s.tail) for s in self.linear.values())
-        return n + sum(_nbytes(a.k, a.v) for a in self.attn.values())
+        return sum(p.nbytes for p in self.layers.values())
 
     def tensors(self):
-        for layer in sorted(self.linear):
-            s = self.linear[layer]
-            yield f"linear.{layer}.T", s.T
-            yield f"linear.{layer}.S", s.S
-            yield f"linear.{layer}.tail", s.tail
-        for layer in sorted(self.attn):
-            yield f"attn.{layer}.k", self.attn[layer].k
-            yield f"attn.{layer}.v", self.attn[layer].v
+        yield from _layer_tensors(self.layers)
 
     def checksum(self) -> str:
         """sha256 over every tensor's bytes in a fixed order (for persistence and integrity checks)."""
@@ -106,8 +140,7 @@ class PrefixNode:
     parent: str | None
     tokens: tuple[int, ...]
     start: int                                  # absolute position of the span's first token
-    linear: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    attn: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    layers: dict[int, Any]                      # layer -> LinearState | KVSpan
 
     @property
     def end(self) -> int:
@@ -115,5 +148,4 @@ class PrefixNode:
 
     @property
     def nbytes(self) -> int:
-        n = sum(_nbytes(*v) for v in self.linear.values())
-        return n + sum(_nbytes(*v) for v in self.attn.values())
+        return sum(p.nbytes for p in self.layers.values())

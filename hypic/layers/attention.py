@@ -1,8 +1,11 @@
-"""Gated full attention (Qwen3.5 / Qwen3-Next) over a planned batch.
+"""Full attention over a planned batch: the shared machinery, and Qwen's gated attention.
 
-q_proj emits [query | gate] per head; q and k get a per-head RMSNorm, then partial RoPE at each
-token's absolute position; the output is multiplied by sigmoid(gate). Cached segments keep
-*pre-RoPE* keys, so placing a segment at any position is one rotation, done here at use.
+`AttentionMixer` keeps every request's keys in a `KVBuffer` at their absolute positions and owns
+what PIC adds: a summarized run captures its keys *before* any position encoding (`AttnKV`), so
+placing a cached segment at a new position is one `place_keys` call at use; a marked run (prefix
+boundary) captures its keys as attended, with their fixed positions (`KVSpan`). A subclass
+writes `project` (queries, position-free keys, values), `place_keys` (RoPE at given positions;
+identity for NoPE), optionally `attend`, and `output`.
 """
 
 from __future__ import annotations
@@ -10,60 +13,132 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..cache.entry import AttnKV, KVSpan
 from ..config import ModelConfig
 from ..runtime.batch import Apply, ForwardBatch
 from ..runtime.state import KVBuffer
 from .norm import RMSNorm
 
 
-class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
+class AttentionMixer(nn.Module):
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+    scale: float
+
+    def __init__(self, layer_idx: int, ops):
         super().__init__()
         self.layer_idx = layer_idx
         self.ops = ops
+
+    def project(self, x, batch):
+        """-> (q [N, H, Dk], k [N, Hkv, Dk] position-free, v [N, Hkv, Dv], extra passed to output)."""
+        raise NotImplementedError
+
+    def place_keys(self, k: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
+        """Keys as attended at absolute `positions` (RoPE); NoPE: unchanged."""
+        return k
+
+    def place_queries(self, q: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return q
+
+    def output(self, x, out, extra):
+        raise NotImplementedError
+
+    # -- state ---------------------------------------------------------------------------------------
+    def new_state(self, device, dtype, capacity: int) -> KVBuffer:
+        return KVBuffer(self.num_kv_heads, self.key_dim, self.value_dim, dtype=dtype, device=device, capacity=capacity)
+
+    def restore(self, parts: list, device, dtype, capacity: int) -> KVBuffer:
+        buf = self.new_state(device, dtype, capacity)
+        for span in parts:
+            buf.append(span.k, span.v, span.pos)
+        return buf
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        L, n = self.layer_idx, x.shape[0]
+        q, k_raw, v, extra = self.project(x, batch)
+        q = self.place_queries(q, batch.positions, batch)
+        k = self.place_keys(k_raw, batch.positions, batch)
+        out = None
+        for seq in batch.seqs:
+            buf = seq.state.layers.get(L)
+            if buf is None:
+                buf = seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)
+            for piece in seq.pieces:
+                if isinstance(piece, Apply):
+                    kv = piece.entry.layers[L]
+                    pos = torch.arange(piece.position, piece.position + kv.k.shape[0], device=x.device)
+                    buf.append(self.place_keys(kv.k.to(x.dtype), pos, None), kv.v.to(x.dtype), pos)
+                    continue
+                sl = slice(piece.start, piece.end)
+                buf.append(k[sl], v[sl], batch.positions[sl])
+                if piece.summarize:
+                    piece.captures[L] = AttnKV(k_raw[sl].clone(), v[sl].clone())
+                if piece.mark:
+                    piece.captures[L] = KVSpan(k[sl].clone(), v[sl].clone(), batch.positions[sl].clone())
+            kk, vv, pp = buf.view()
+            sl = slice(seq.start, seq.end)
+            o = self.attend(q[sl], kk, vv, batch.positions[sl], pp)
+            if out is None:
+                out = o.new_empty((n,) + tuple(o.shape[1:]))
+            out[sl] = o
+        if out is None:
+            out = q.new_empty((0,) + tuple(q.shape[1:]))
+        return self.output(x, out, extra)
+
+    def attend(self, q, k, v, q_pos, k_pos):
+        return self.ops.position_attention(q, k, v, q_pos, k_pos, scale=self.scale)
+
+
+class RopeAttention(AttentionMixer):
+    """Attention whose keys and queries carry RoPE from a shared `Rotary` module (rotated at use)."""
+
+    def __init__(self, layer_idx: int, ops, rotary):
+        super().__init__(layer_idx, ops)
         self.rotary = [rotary]          # shared module, kept out of this module's parameters
-        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        hs, bias = cfg.hidden_size, cfg.attention_bias
+
+    def _rope(self, positions, dtype, batch):
+        if batch is not None:
+            if "rope" not in batch.scratch:
+                batch.scratch["rope"] = self.rotary[0].cos_sin(batch.positions, dtype)
+            return batch.scratch["rope"]
+        return self.rotary[0].cos_sin(positions, dtype)
+
+    def place_keys(self, k, positions, batch):
+        cos, sin = self._rope(positions, k.dtype, batch)
+        return self.rotary[0].apply(k, cos, sin)
+
+    def place_queries(self, q, positions, batch):
+        cos, sin = self._rope(positions, q.dtype, batch)
+        return self.rotary[0].apply(q, cos, sin)
+
+
+class GatedAttention(RopeAttention):
+    """Qwen3.5 / Qwen3-Next: q_proj emits [query | gate] per head; q and k get a per-head RMSNorm,
+    then partial RoPE; the output is multiplied by sigmoid(gate)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
+        super().__init__(layer_idx, ops, rotary)
+        p = cfg.params
+        self.nh, self.num_kv_heads, self.hd = p.num_attention_heads, p.num_key_value_heads, p.head_dim
+        self.key_dim = self.value_dim = self.hd
+        hs, bias = cfg.hidden_size, p.attention_bias
         self.q_proj = nn.Linear(hs, self.nh * self.hd * 2, bias=bias)
-        self.k_proj = nn.Linear(hs, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(hs, self.nkv * self.hd, bias=bias)
+        self.k_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
+        self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.scale = self.hd ** -0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        L, n = self.layer_idx, x.shape[0]
-        rot = self.rotary[0]
+    def project(self, x, batch):
+        n = x.shape[0]
         q, gate = self.q_proj(x).view(n, self.nh, 2 * self.hd).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k_raw = self.k_norm(self.k_proj(x).view(n, self.nkv, self.hd))
-        v = self.v_proj(x).view(n, self.nkv, self.hd)
-        if "rope" not in batch.scratch:
-            batch.scratch["rope"] = rot.cos_sin(batch.positions, x.dtype)
-        cos, sin = batch.scratch["rope"]
-        q, k = rot.apply(q, cos, sin), rot.apply(k_raw, cos, sin)
-        out = x.new_empty(n, self.nh, self.hd)
-        for seq in batch.seqs:
-            buf = seq.state.kv.get(L)
-            if buf is None:
-                buf = seq.state.kv[L] = KVBuffer(self.nkv, self.hd, self.hd, dtype=x.dtype, device=x.device,
-                                                 capacity=seq.state.capacity_hint)
-            for piece in seq.pieces:
-                if isinstance(piece, Apply):
-                    kv = piece.entry.attn[L]
-                    pos = torch.arange(piece.position, piece.position + kv.k.shape[0], device=x.device)
-                    c, s = rot.cos_sin(pos, x.dtype)
-                    buf.append(rot.apply(kv.k.to(x.dtype), c, s), kv.v.to(x.dtype), pos)
-                    continue
-                sl = slice(piece.start, piece.end)
-                buf.append(k[sl], v[sl], batch.positions[sl])
-                if piece.summarize:
-                    piece.captures[L] = {"k": k_raw[sl].clone(), "v": v[sl].clone()}
-                if piece.mark:
-                    piece.captures[L] = {"k": k[sl].clone(), "v": v[sl].clone(), "pos": batch.positions[sl].clone()}
-            kk, vv, pp = buf.view()
-            sl = slice(seq.start, seq.end)
-            out[sl] = self.ops.position_attention(q[sl], kk, vv, batch.positions[sl], pp, scale=self.scale)
-        out = out.reshape(n, self.nh * self.hd) * torch.sigmoid(gate.reshape(n, self.nh * self.hd))
-        return self.o_proj(out)
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.hd))
+        return self.q_norm(q), k, self.v_proj(x).view(n, self.num_kv_heads, self.hd), gate
+
+    def output(self, x, out, gate):
+        n = x.shape[0]
+        return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1)))

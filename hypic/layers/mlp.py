@@ -23,7 +23,7 @@ class MLP(nn.Module):
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.weight = nn.Parameter(torch.zeros(cfg.params.num_experts, cfg.hidden_size))
 
 
 class Experts(nn.Module):
@@ -31,7 +31,7 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, h, i = cfg.params.num_experts, cfg.hidden_size, cfg.params.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
@@ -40,10 +40,11 @@ class SparseMoe(nn.Module):
     def __init__(self, cfg: ModelConfig, ops):
         super().__init__()
         self.ops = ops
-        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        p = cfg.params
+        self.top_k, self.norm_topk = p.num_experts_per_tok, p.norm_topk_prob
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
-        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert = MLP(cfg.hidden_size, p.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):

@@ -14,31 +14,29 @@ from ..config import ModelConfig
 from ..errors import UnsupportedArchitectureError
 
 
-def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    rope = cfg.rope
+def inverse_frequencies(cfg: ModelConfig, rotary_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         base = rope.get("rope_theta", 10000.0)
-        d = cfg.rotary_dim
+        d = rotary_dim
         return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).float(), 1.0
     if rope_type == "dynamic":
         raise UnsupportedArchitectureError("dynamic RoPE depends on the sequence length; not position independent")
-    from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedArchitectureError(f"unsupported rope_type {rope_type!r}")
-    hf = AutoConfig.for_model(cfg.hf_model_type, **{k: v for k, v in cfg.to_hf_dict().items() if k != "model_type"})
+    hf = cfg.hf_config()
     inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
     return inv.float(), float(scaling)
 
 
 class Rotary(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary_dim: int, rope: dict):
         super().__init__()
-        inv, self.scaling = inverse_frequencies(cfg)
+        inv, self.scaling = inverse_frequencies(cfg, rotary_dim, rope)
         self.inv_freq = inv          # fp32 always: a plain attribute, so model.to(dtype) leaves it alone
-        self.rotary_dim = cfg.rotary_dim
+        self.rotary_dim = rotary_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [N] -> cos, sin [N, rotary_dim] (fp32 angles, cast to dtype)."""

@@ -46,7 +46,7 @@ def _fuse_experts(tensors: dict, cfg: ModelConfig) -> dict:
             continue
         groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
     for prefix, parts in groups.items():
-        n = cfg.num_experts
+        n = cfg.params.num_experts
         missing = [(e, p) for e in range(n) for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in parts]
         if missing:
             from ..errors import WeightsError
@@ -64,7 +64,8 @@ def qwen3_5(tensors: dict, cfg: ModelConfig) -> dict:
 
 def qwen3_next(tensors: dict, cfg: ModelConfig) -> dict:
     out = {}
-    h, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    p = cfg.params
+    h, hv, dk, dv = p.linear_num_key_heads, p.linear_num_value_heads, p.linear_key_head_dim, p.linear_value_head_dim
     r = hv // h
     for name, t in _common(tensors, cfg).items():
         if name.endswith("linear_attn.in_proj_qkvz.weight"):

@@ -3,14 +3,15 @@ segments of a batch in one varlen forward, turned into SegmentEntries.
 
 Each segment is two runs: its first w tokens (the seam, recomputed at every reuse) and the
 cached part [w, L), whose run is summarized: T and S over [w, L) per linear layer, the conv
-tail, and pre-RoPE K / V per attention layer.
+tail, and position-free K / V per attention layer. Each mixer captures its own part (see
+layers/linear.py, layers/attention.py); the entry holds them by layer.
 """
 
 from __future__ import annotations
 
 import time
 
-from ..cache.entry import AttnKV, LinearSummary, SegmentEntry
+from ..cache.entry import SegmentEntry
 from ..runtime.batch import BatchBuilder
 from ..runtime.state import SeqState
 
@@ -19,7 +20,6 @@ def prefill_segments(model, slots, device) -> list[SegmentEntry]:
     """slots: distinct cold SegmentSlots. Returns their entries in the same order."""
     if not slots:
         return []
-    cfg = model.config
     builder = BatchBuilder(device)
     works = []
     for slot in slots:
@@ -32,9 +32,7 @@ def prefill_segments(model, slots, device) -> list[SegmentEntry]:
     total = sum(len(s.tokens) for s in slots)
     entries = []
     for slot, work in zip(slots, works):
-        cap = work.pieces[-1].captures              # the summarized run
-        linear = {l: LinearSummary(cap[l]["T"], cap[l]["S"], cap[l]["tail"]) for l in cfg.linear_layers}
-        attn = {l: AttnKV(cap[l]["k"], cap[l]["v"]) for l in cfg.attention_layers}
+        cap = work.pieces[-1].captures              # the summarized run: layer -> LinearSummary | AttnKV
         entries.append(SegmentEntry(slot.key, tuple(slot.tokens[: slot.seam]), len(slot.tokens), slot.seam,
-                                    linear, attn, prefill_s=elapsed * len(slot.tokens) / total))
+                                    dict(cap), prefill_s=elapsed * len(slot.tokens) / total))
     return entries

@@ -29,7 +29,7 @@ class Run:
     end: int
     summarize: bool = False   # capture this run's zero-start summary (T, S, conv tail, raw K/V)
     mark: bool = False        # capture the state after this run (a prefix-cache boundary)
-    captures: dict[int, Any] = field(default_factory=dict)   # layer -> captured tensors
+    captures: dict[int, Any] = field(default_factory=dict)   # layer -> the mixer's captured part
 
     @property
     def n(self) -> int:

@@ -23,7 +23,7 @@ from ..segment.spans import TokenizedPrompt
 from ..types import RequestOutput, SamplingParams
 from .batch import BatchBuilder
 from .sampler import sample
-from .state import KVBuffer, SeqState
+from .state import SeqState
 
 
 @dataclass
@@ -95,19 +95,12 @@ class Engine:
 
     # -- stage 3: compose pass (all requests in one forward) ---------------------------------------
     def _state_from(self, nodes: list[PrefixNode], capacity: int) -> SeqState:
+        """A request's state after its matched prefix nodes; each layer's mixer restores its own part."""
         st = SeqState(length=nodes[-1].end if nodes else 0, capacity_hint=capacity)
-        if not nodes:
-            return st
-        last = nodes[-1]
-        for l, (rec, conv) in last.linear.items():
-            st.rec[l], st.conv[l] = rec, conv
-        c = self.cfg
-        for l in c.attention_layers:
-            buf = KVBuffer(c.num_key_value_heads, c.head_dim, c.head_dim, dtype=self.model.lm_head.weight.dtype,
-                           device=self.device, capacity=capacity)
-            for n in nodes:
-                buf.append(*n.attn[l])
-            st.kv[l] = buf
+        if nodes:
+            dtype = self.model.lm_head.weight.dtype
+            for l, mixer in self.model.mixers.items():
+                st.layers[l] = mixer.restore([n.layers[l] for n in nodes], self.device, dtype, capacity)
         return st
 
     def _items(self, plan: PrefillPlan) -> list:
@@ -154,10 +147,8 @@ class Engine:
             parent, start = key, start + len(span)
 
     def _node(self, key, parent, tokens, start, captures) -> PrefixNode:
-        c = self.cfg
-        linear = {l: (captures[l]["rec"], captures[l]["conv"]) for l in c.linear_layers}
-        attn = {l: (captures[l]["k"], captures[l]["v"], captures[l]["pos"]) for l in c.attention_layers}
-        return PrefixNode(key, parent, tuple(tokens), start, linear, attn)
+        """A prefix-cache node from a marked run's captures (each mixer's state part after the span)."""
+        return PrefixNode(key, parent, tuple(tokens), start, dict(captures))
 
     def _counts(self, r: Request, p: PrefillPlan, prefix_reused: bool) -> None:
         """Where each prompt token came from: prefix + composed + recomputed = prompt length."""

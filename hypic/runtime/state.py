@@ -1,17 +1,42 @@
 """Per-request running state, owned by the runtime and advanced layer by layer by the forward pass.
 
-Layouts (written here, where they are allocated):
-    rec[layer]   [HV, K, V] fp32   linear-attention recurrent state (value heads, key dim, value dim)
-    conv[layer]  [W-1, C]          the last W-1 raw conv inputs (model dtype)
-    kv[layer]    KVBuffer          post-RoPE keys, values and absolute positions of every token the
-                                   request has seen (prefix, placed segments, fresh tokens), any order
+`SeqState.layers[layer]` holds what that layer's mixer keeps between forwards; the mixer creates
+it (`new_state` / `restore`) and is the only code that reads it. Layouts, written here where the
+types are defined:
+    LinearState  rec  [H, K, V] fp32   recurrent state (heads, key axis the transition acts on, value axis)
+                 conv [W-1, C] | None  the last W-1 raw conv inputs (model dtype); None without a conv
+    KVBuffer     k, v, pos             keys as the attention reads them (RoPE'd at their absolute
+                                       position), values and positions of every token the request
+                                       has seen (prefix, placed segments, fresh tokens), any order
 Layers never mutate a tensor they were given: they assign new ones, so states loaded from a
 cache node or a segment entry can be shared without copies.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.element_size() * t.nelement() for t in tensors if t is not None)
+
+
+@dataclass
+class LinearState:
+    rec: torch.Tensor
+    conv: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.rec, self.conv)
+
+    def tensors(self):
+        yield "rec", self.rec
+        if self.conv is not None:
+            yield "conv", self.conv
 
 
 class KVBuffer:
@@ -48,20 +73,17 @@ class KVBuffer:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.element_size() * t.nelement() for t in (self.k, self.v, self.pos))
+        return nbytes(self.k, self.v, self.pos)
 
 
 class SeqState:
-    """Everything a request needs to continue: recurrent states, conv windows, the whole KV."""
+    """Everything a request needs to continue: one state object per stateful layer."""
 
     def __init__(self, length: int = 0, capacity_hint: int = 64):
-        self.rec: dict[int, torch.Tensor] = {}
-        self.conv: dict[int, torch.Tensor] = {}
-        self.kv: dict[int, KVBuffer] = {}
+        self.layers: dict[int, Any] = {}
         self.length = length            # positions 0 .. length-1 are covered
         self.capacity_hint = capacity_hint
 
     @property
     def nbytes(self) -> int:
-        n = sum(t.element_size() * t.nelement() for d in (self.rec, self.conv) for t in d.values())
-        return n + sum(b.nbytes for b in self.kv.values())
+        return sum(s.nbytes for s in self.layers.values())

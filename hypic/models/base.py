@@ -1,0 +1,70 @@
+"""What every hypic model shares: embed -> decoder layers over a ForwardBatch -> norm -> lm_head,
+and the map from layer index to its stateful mixer (linear or attention), which the engine uses
+to restore per-layer states without knowing the family."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..runtime.batch import ForwardBatch
+
+
+class CausalLM(nn.Module):
+    """forward(batch) -> fp32 logits [M, vocab] for the rows batch.logits_index names.
+
+    Subclasses build `self.model` with `embed_tokens`, `layers` (each with a `mixer` property,
+    None for mixer-less blocks) and `norm`, and `self.lm_head`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+
+    def tie(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def mixers(self) -> dict[int, nn.Module]:
+        """layer index -> its stateful mixer (a LinearMixer or an AttentionMixer)."""
+        return {i: layer.mixer for i, layer in enumerate(self.model.layers) if layer.mixer is not None}
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.embed_tokens(batch.input_ids)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed(batch)
+        for layer in self.model.layers:
+            h = layer(h, batch)
+        h = self.model.norm(h[batch.logits_index])
+        return self.lm_head(h).float()
+
+    def dummy_init(self, name: str, p: torch.Tensor, generator: torch.Generator) -> bool:
+        """Architecture-specific init of one parameter (decays, gates, norms); False: the default."""
+        return False
+
+    def init_dummy(self, generator: torch.Generator) -> None:
+        """Random weights at the real size (benchmarks): normal(0, initializer_range) for matrices,
+        the architecture's own init (dummy_init) for gates, decays and norms."""
+        std = self.config.initializer_range
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if self.dummy_init(name, p, generator):
+                    continue
+                if name.endswith("conv1d.weight"):
+                    bound = 1.0 / p.shape[-1] ** 0.5
+                    p.copy_(torch.empty(p.shape, device=p.device).uniform_(-bound, bound, generator=generator))
+                elif name.endswith("conv1d.bias"):
+                    p.zero_()
+                elif p.dim() == 1 and "norm" in name:
+                    p.fill_(1.0)
+                elif p.dim() == 1 and name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, std, generator=generator))
+
+
+def uniform(p, lo, hi, generator):
+    return torch.empty(p.shape, device=p.device).uniform_(lo, hi, generator=generator)
