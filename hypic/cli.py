@@ -1,6 +1,7 @@
-"""Command line: `hypic generate` and `hypic demo`.
+"""Command line: `hypic generate`, `hypic demo` and `hypic serve`.
 
     hypic demo [--model tiny-qwen3.5]
+    hypic serve [--model DIR|PRESET] [--port 8000] [--cache-mode pic] [--api-key KEY]
     hypic generate --model DIR|PRESET --segment TEXT ... --query TEXT [--prefix TEXT] [--mode pic]
 """
 
@@ -104,6 +105,26 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from . import LLM
+    from .runtime.scheduler import SchedulerConfig
+    from .server.app import ServerConfig, build_app
+
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.cache_mode, seam=a.seam,
+              load_format=a.load_format, seed=a.seed, max_segments=a.max_segments)
+    config = ServerConfig(
+        model_name=a.served_model_name or a.model, api_key=a.api_key, separator=a.separator,
+        default_max_tokens=a.default_max_tokens,
+        scheduler=SchedulerConfig(max_waiting=a.max_waiting, max_running=a.max_running,
+                                  request_timeout_s=a.request_timeout))
+    # uvicorn installs SIGINT/SIGTERM handlers: it stops accepting, lets the app's lifespan shut the
+    # scheduler down (waiting requests get 503), then exits.
+    uvicorn.run(build_app(llm, config), host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hypic", description="Position-independent caching for hybrid LLMs")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -126,6 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(d)
     d.add_argument("--max-tokens", type=int, default=12)
     d.set_defaults(fn=cmd_demo)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--cache-mode", default="pic", help="pic | prefix | naive | full")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--separator", default="<<PIC_SEP>>", help="splits a completions prompt into segments + query")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-segments", type=int, default=256)
+    s.add_argument("--max-waiting", type=int, default=256, help="bounded queue; beyond it requests get 429")
+    s.add_argument("--max-running", type=int, default=64)
+    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    s.add_argument("--default-max-tokens", type=int, default=1024)
+    s.add_argument("--log-level", default="warning")
+    s.set_defaults(fn=cmd_serve)
     a = ap.parse_args(argv)
     try:
         return a.fn(a)
