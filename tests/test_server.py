@@ -286,3 +286,30 @@ def test_queue_bound_and_cancel():
         sched.submit(mk())
     sched.shutdown()
     assert events == ["error", "error"]
+
+
+def test_request_timeout_fails_only_that_request():
+    """Scheduler unit: a request past its deadline gets a 504 event and leaves the batch; others go on."""
+    from hypic import LLM, Prompt, SamplingParams
+    from hypic.runtime.scheduler import Job, Scheduler, SchedulerConfig
+
+    llm = LLM(MODEL)
+    sched = Scheduler(llm.engine, SchedulerConfig(request_timeout_s=10.0))
+    done = threading.Event()
+    events = {}
+
+    def on(kind, job, payload):
+        events.setdefault(job.id, []).append((kind, payload))
+        if kind in ("done", "error") and len([k for v in events.values() for k, _ in v if k in ("done", "error")]) == 2:
+            done.set()
+
+    slow = Job(llm.make_requests([Prompt(query=[1, 2])], [SamplingParams(max_tokens=60000, ignore_eos=True)])[0], on)
+    quick = Job(llm.make_requests([Prompt(query=[3])], [SamplingParams(max_tokens=2, ignore_eos=True)])[0], on)
+    sched.start()
+    sched.submit(slow)
+    sched.submit(quick)
+    assert done.wait(120)
+    sched.shutdown()
+    assert events[slow.id][-1][0] == "error" and events[slow.id][-1][1][0] == 504
+    assert events[quick.id][-1][0] == "done" and len(events[quick.id][-1][1].token_ids) == 2
+    assert sched.stats()["running"] == 0
