@@ -113,7 +113,9 @@ class ModelConfig:
             raise ConfigError(f"no config.json at {path}") from e
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(d)
+        from transformers import PretrainedConfig
+
+        return cls.from_dict(PretrainedConfig._decode_special_floats(d))   # {"__float__": "Infinity"} -> inf
 
 
 # -- architecture-specific parts ---------------------------------------------------------------------
@@ -181,6 +183,121 @@ def _parse_qwen(arch):
 
 
 @dataclass(frozen=True)
+class KimiLinearParams:
+    """Kimi-Linear: KDA linear layers + MLA (NoPE) full attention, DeepSeek-style MoE."""
+
+    linear_num_heads: int
+    linear_head_dim: int
+    linear_conv_kernel_dim: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    attention_bias: bool
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
+def _parse_kimi(hf):
+    mlp_types = tuple(hf.mlp_layer_types)
+    params = KimiLinearParams(
+        linear_num_heads=hf.linear_num_heads, linear_head_dim=hf.linear_head_dim,
+        linear_conv_kernel_dim=hf.linear_conv_kernel_dim, num_attention_heads=hf.num_attention_heads,
+        q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim, attention_bias=bool(hf.attention_bias),
+        intermediate_size=hf.intermediate_size,
+        moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+        num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size, num_shared_experts=hf.n_shared_experts,
+        n_group=hf.n_group, topk_group=hf.topk_group, norm_topk_prob=bool(hf.norm_topk_prob),
+        routed_scaling_factor=float(hf.routed_scaling_factor))
+    if hf.num_key_value_heads != hf.num_attention_heads:
+        raise UnsupportedArchitectureError("kimi_linear MLA with num_key_value_heads != num_attention_heads")
+    return _layer_types(hf, {}), params
+
+
+@dataclass(frozen=True)
+class MiniMaxParams:
+    """MiniMax-01: lightning attention (scalar decay) + softmax attention with RoPE, Mixtral MoE."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_parameters: tuple
+    attention_bias: bool
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    lightning_norm_eps: float          # transformers builds the lightning output norm with eps 1e-6
+    full_attn_alpha_factor: float
+    full_attn_beta_factor: float
+    linear_attn_alpha_factor: float
+    linear_attn_beta_factor: float
+    mlp_alpha_factor: float
+    mlp_beta_factor: float
+
+
+def _parse_minimax(hf):
+    if getattr(hf, "sliding_window", None) is not None:
+        raise UnsupportedArchitectureError("minimax with sliding_window attention is not supported")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    params = MiniMaxParams(
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads, head_dim=head_dim,
+        rope_parameters=_rope(hf), attention_bias=False, num_experts=hf.num_local_experts,
+        num_experts_per_tok=hf.num_experts_per_tok, moe_intermediate_size=hf.intermediate_size,
+        lightning_norm_eps=1e-6,
+        **{f"{w}_{ab}_factor": float(getattr(hf, f"{w}_{ab}_factor"))
+           for w in ("full_attn", "linear_attn", "mlp") for ab in ("alpha", "beta")})
+    return _layer_types(hf, {}), params
+
+
+@dataclass(frozen=True)
+class NemotronHParams:
+    """Nemotron-H: single-mixer blocks (Mamba2 / NoPE attention / squared-ReLU MLP)."""
+
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    use_conv_bias: bool
+    use_bias: bool
+    time_step_min: float
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    intermediate_size: int
+    mlp_bias: bool
+
+
+def _parse_nemotron_h(hf):
+    types = _layer_types(hf, {"mlp": MLP_ONLY}, attr="layers_block_type")
+    if hf.mlp_hidden_act != "relu2":
+        raise UnsupportedArchitectureError(f"nemotron_h with mlp_hidden_act={hf.mlp_hidden_act!r} (only relu2)")
+    if getattr(hf, "sliding_window", None) is not None:
+        raise UnsupportedArchitectureError("nemotron_h with sliding_window attention is not supported")
+    params = NemotronHParams(
+        mamba_num_heads=hf.mamba_num_heads, mamba_head_dim=hf.mamba_head_dim, ssm_state_size=hf.ssm_state_size,
+        n_groups=hf.n_groups, conv_kernel=hf.conv_kernel, use_conv_bias=bool(hf.use_conv_bias),
+        use_bias=bool(hf.use_bias), time_step_min=float(hf.time_step_min),
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim, attention_bias=False, intermediate_size=hf.intermediate_size,
+        mlp_bias=bool(hf.mlp_bias))
+    return types, params
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str          # hypic architecture: selects the model module (models/registry.py)
     hf_type: str       # transformers model_type whose config class parses the dict
@@ -195,6 +312,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_5_moe": ArchSpec("qwen3_5_moe", "qwen3_5_moe_text", _parse_qwen("qwen3_5_moe")),
     "qwen3_5_moe_text": ArchSpec("qwen3_5_moe", "qwen3_5_moe_text", _parse_qwen("qwen3_5_moe")),
     "qwen3_next": ArchSpec("qwen3_next", "qwen3_next", _parse_qwen("qwen3_next")),
+    "kimi_linear": ArchSpec("kimi_linear", "kimi_linear", _parse_kimi),
+    "minimax": ArchSpec("minimax", "minimax", _parse_minimax),
+    "nemotron_h": ArchSpec("nemotron_h", "nemotron_h", _parse_nemotron_h),
 }
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random models of every supported architecture, built with transformers'
 own classes (the oracle), saved with save_pretrained and loaded by hypic.
 
-fla and causal_conv1d are blocked before transformers is imported: they cannot run on a CPU and
+fla, causal_conv1d and mamba_ssm are blocked before transformers is imported: they cannot run on a CPU and
 transformers would otherwise swap them in.
 """
 
@@ -9,6 +9,7 @@ import sys
 
 sys.modules.setdefault("fla", None)
 sys.modules.setdefault("causal_conv1d", None)
+sys.modules.setdefault("mamba_ssm", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -19,6 +20,9 @@ ARCHS = {
     "qwen3_5": ("tiny-qwen3.5", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe": ("tiny-qwen3.5-moe", "Qwen3_5MoeForCausalLM"),
     "qwen3_next": ("tiny-qwen3-next", "Qwen3NextForCausalLM"),
+    "kimi_linear": ("tiny-kimi-linear", "KimiLinearForCausalLM"),
+    "minimax": ("tiny-minimax", "MiniMaxForCausalLM"),
+    "nemotron_h": ("tiny-nemotron-h", "NemotronHForCausalLM"),
 }
 
 
@@ -44,6 +48,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith("conv1d.weight"):
                 p.mul_(3.0)
+            elif name.endswith("mixer.D"):               # Mamba2's skip: small, so the state path shows
+                p.copy_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mixer.in_proj.weight"):  # Mamba2's x, B, C at O(1): a non-negligible state
+                p.mul_(5.0)
     return model
 
 

@@ -67,61 +67,30 @@ def test_transition_is_not_trivial_and_naive_is_wrong():
     assert (compose(s_in, T, S) - ref).norm() / ref.norm() < 1e-5
 
 
-@pytest.mark.parametrize("lengths", [[1, 2, 1, 5], [2, 2, 2], [10]])
-@pytest.mark.parametrize("seam", [0, 3, 4])
-def test_gdn_layer_compose_equals_sequential(lengths, seam):
-    """Layer level (conv + gates + recurrence) on the same per-token inputs: running a sequence,
-    versus seams forwarded in context with each segment's isolated summary of [w, L) composed in
-    between. Exact when w >= W-1 (the cached part's conv warm-up lies inside the segment); for
-    w < W-1 only the conv window chain is exact, and the test checks that alone."""
-    from hypic.cache.entry import SegmentEntry
-    from hypic.config import ModelConfig
-    from hypic.layers.gdn import GatedDeltaNet
-    from hypic.models.presets import preset_config
-    from hypic.ops import get_backend
-    from hypic.runtime.batch import BatchBuilder
-    from hypic.runtime.state import SeqState
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("lengths", [[5], [1, 3, 7], [64, 130, 2, 33], [1, 1, 1, 1]])
+@pytest.mark.parametrize("h,hv,dk,dv", [(1, 1, 8, 8), (2, 4, 8, 6), (1, 3, 4, 1)])
+def test_diagonal_and_scalar_summaries_compose(per_channel, lengths, h, hv, dk, dv):
+    """Diagonal (GLA, Mamba1: a K-vector per head) and scalar (lightning, Mamba2: one number per
+    head) transitions from the per-token log decays, S(C|0) from the chunk kernel: composed ==
+    sequential, and naive addition is far off."""
+    from hypic.compose.transition import Form, log_decay_transitions
+    from hypic.ops.reference import chunk_gla, recurrent_gla
 
-    cfg = ModelConfig.from_dict(preset_config("tiny-qwen3.5"))
-    torch.manual_seed(0)
-    layer = GatedDeltaNet(cfg, 0, get_backend("reference")).eval()
-    with torch.no_grad():
-        layer.A_log.copy_(torch.empty(cfg.params.linear_num_value_heads).uniform_(0.01, 0.1).log())
-        for p in (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_a, layer.in_proj_b, layer.out_proj):
-            p.weight.normal_(0, 0.3)
-    total = sum(lengths)
-    x = torch.randn(total, cfg.hidden_size)
-
-    def run(items_fn, xs):
-        b = BatchBuilder("cpu")
-        st = SeqState()
-        b.add(st, items_fn(), logits="none")
-        batch = b.build()
-        with torch.no_grad():
-            y = layer(xs, batch)
-        return y, st, batch
-
-    ids = list(range(total))
-    y_ref, st_ref, _ = run(lambda: [("run", ids)], x)
-
-    entries, a = [], 0
-    for n in lengths:                                            # isolated summaries
-        w = min(seam, n)
-        items = [("run", ids[a : a + w]), ("run", ids[a + w : a + n], {"summarize": True})]
-        _, _, batch = run(lambda: items, x[a : a + n])
-        cap = batch.seqs[0].pieces[-1].captures[0] if n > w else None
-        entries.append((w, n, cap))
-        a += n
-    items, xs, a = [], [], 0
-    for w, n, cap in entries:
-        items.append(("run", ids[a : a + w]))
-        xs.append(x[a : a + w])
-        if cap is not None:
-            e = SegmentEntry(None, (), n, w, {0: cap})
-            items.append(("apply", e))
-        a += n
-    _, st, _ = run(lambda: items, torch.cat(xs))
-    torch.testing.assert_close(st.layers[0].conv, st_ref.layers[0].conv, atol=1e-6, rtol=1e-6)
-    if seam >= cfg.params.linear_conv_kernel_dim - 1:
-        rel = (st.layers[0].rec - st_ref.layers[0].rec).norm() / st_ref.layers[0].rec.norm()
-        assert rel < 1e-5, rel
+    t = sum(lengths)
+    g_ = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, t, h, dk, generator=g_), torch.randn(1, t, h, dk, generator=g_), torch.randn(1, t, hv, dv, generator=g_)
+    g = -torch.rand(1, t, hv, *((dk,) if per_channel else ()), generator=g_) * 0.05
+    s_in = torch.randn(1, hv, dk, dv)
+    _, ref = recurrent_gla(q, k, v, g, initial_state=s_in, output_final_state=True)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    _, s_zero = chunk_gla(q, k, v, g, initial_state=torch.zeros(len(lengths), hv, dk, dv), output_final_state=True,
+                          cu_seqlens=cu, chunk_size=16)
+    form = Form.DIAGONAL if per_channel else Form.SCALAR
+    ts = log_decay_transitions(g[0], cu, form)
+    assert ts[0].t.shape == ((hv, dk) if per_channel else (hv,))
+    got = compose_chain(s_in, list(zip(ts, s_zero)))
+    assert (got - ref).norm() / ref.norm() < 1e-5
+    if t > 30:                          # enough decay for T to differ visibly from I
+        naive = compose_chain(s_in, list(zip(ts, s_zero)), exact=False)
+        assert (naive - ref).norm() / ref.norm() > 0.05

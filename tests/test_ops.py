@@ -92,3 +92,59 @@ def test_moe_matches_dense_loop():
             ref[t] += w[t, j] * (down[ex] @ (F.silu(gu[:i]) * gu[i:]))
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w.sum(-1), torch.ones(n))
+
+
+# -- KDA and GLA (diagonal / scalar decay) ------------------------------------------------------------
+from hypic.ops.reference import (chunk_gla, chunk_kda, chunk_simple_gla, recurrent_gla, recurrent_kda,  # noqa: E402
+                                 recurrent_simple_gla)
+
+
+def _gla_inputs(b, t, h, hv, dk, dv, *, per_channel, seed=0, decay=0.3):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    gs = -torch.rand(b, t, hv, *((dk,) if per_channel else ()), generator=g) * decay
+    return r(b, t, h, dk), r(b, t, h, dk), r(b, t, hv, dv), gs, torch.rand(b, t, hv, generator=g), r(b, hv, dk, dv)
+
+
+@pytest.mark.parametrize("t", [1, 5, 33, 70])
+@pytest.mark.parametrize("h,hv,dk,dv", [(1, 1, 8, 8), (2, 2, 16, 8), (3, 3, 4, 12)])
+def test_kda_chunk_matches_recurrent(t, h, hv, dk, dv):
+    q, k, v, g, beta, s0 = _gla_inputs(2, t, h, hv, dk, dv, per_channel=True)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o1, s1 = chunk_kda(q, k, v, g, beta, chunk_size=16, **kw)
+    o2, s2 = recurrent_kda(q, k, v, g, beta, **kw)
+    torch.testing.assert_close(o1, o2, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s1, s2, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("t", [1, 5, 33, 70])
+@pytest.mark.parametrize("h,hv,dk,dv", [(1, 1, 8, 8), (2, 4, 16, 8), (1, 3, 4, 1)])
+def test_gla_chunk_matches_recurrent(t, h, hv, dk, dv, per_channel):
+    q, k, v, g, _, s0 = _gla_inputs(2, t, h, hv, dk, dv, per_channel=per_channel)
+    chunk, rec = (chunk_gla, recurrent_gla) if per_channel else (chunk_simple_gla, recurrent_simple_gla)
+    o1, s1 = chunk(q, k, v, g, initial_state=s0, output_final_state=True, chunk_size=16)
+    o2, s2 = rec(q, k, v, g, initial_state=s0, output_final_state=True)
+    torch.testing.assert_close(o1, o2, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s1, s2, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["kda", "gla", "simple_gla"])
+def test_varlen_equals_separate_sequences_every_family(family):
+    lens = [3, 40, 1, 17]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, g, beta, _ = _gla_inputs(1, sum(lens), 2, 2, 8, 8, per_channel=family != "simple_gla", seed=1)
+    s0 = torch.randn(len(lens), 2, 8, 8)
+    if family == "kda":
+        run = lambda fn, sl, **kw: fn(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],  # noqa: E731
+                                      use_qk_l2norm_in_kernel=True, **kw)
+        chunk, rec = chunk_kda, recurrent_kda
+    else:
+        run = lambda fn, sl, **kw: fn(q[:, sl], k[:, sl], v[:, sl], g[:, sl], **kw)  # noqa: E731
+        chunk, rec = (chunk_gla, recurrent_gla) if family == "gla" else (chunk_simple_gla, recurrent_simple_gla)
+    o, s = run(chunk, slice(None), initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    for i in range(len(lens)):
+        sl = slice(int(cu[i]), int(cu[i + 1]))
+        oi, si = run(rec, sl, initial_state=s0[i : i + 1], output_final_state=True)
+        torch.testing.assert_close(o[:, sl], oi, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(s[i : i + 1], si, atol=2e-5, rtol=1e-5)

@@ -84,8 +84,8 @@ class AttentionMixer(nn.Module):
             if out is None:
                 out = o.new_empty((n,) + tuple(o.shape[1:]))
             out[sl] = o
-        if out is None:
-            out = q.new_empty((0,) + tuple(q.shape[1:]))
+        if out is None:                                   # no active tokens
+            return torch.zeros_like(x)
         return self.output(x, out, extra)
 
     def attend(self, q, k, v, q_pos, k_pos):
@@ -93,11 +93,12 @@ class AttentionMixer(nn.Module):
 
 
 class RopeAttention(AttentionMixer):
-    """Attention whose keys and queries carry RoPE from a shared `Rotary` module (rotated at use)."""
+    """Attention whose keys and queries carry RoPE from a shared `Rotary` module (rotated at use);
+    rotary=None: NoPE (Nemotron-H), keys are position-free as they are."""
 
     def __init__(self, layer_idx: int, ops, rotary):
         super().__init__(layer_idx, ops)
-        self.rotary = [rotary]          # shared module, kept out of this module's parameters
+        self.rotary = [rotary] if rotary is not None else None   # shared module, kept out of this module's parameters
 
     def _rope(self, positions, dtype, batch):
         if batch is not None:
@@ -107,10 +108,14 @@ class RopeAttention(AttentionMixer):
         return self.rotary[0].cos_sin(positions, dtype)
 
     def place_keys(self, k, positions, batch):
+        if self.rotary is None:
+            return k
         cos, sin = self._rope(positions, k.dtype, batch)
         return self.rotary[0].apply(k, cos, sin)
 
     def place_queries(self, q, positions, batch):
+        if self.rotary is None:
+            return q
         cos, sin = self._rope(positions, q.dtype, batch)
         return self.rotary[0].apply(q, cos, sin)
 
@@ -142,3 +147,27 @@ class GatedAttention(RopeAttention):
     def output(self, x, out, gate):
         n = x.shape[0]
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1)))
+
+
+class Attention(RopeAttention):
+    """Plain multi-head / grouped-query attention, with RoPE (MiniMax) or without (Nemotron-H)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
+        super().__init__(layer_idx, ops, rotary)
+        p = cfg.params
+        self.nh, self.num_kv_heads, self.hd = p.num_attention_heads, p.num_key_value_heads, p.head_dim
+        self.key_dim = self.value_dim = self.hd
+        hs, bias = cfg.hidden_size, p.attention_bias
+        self.q_proj = nn.Linear(hs, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
+        self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=bias)
+        self.scale = self.hd ** -0.5
+
+    def project(self, x, batch):
+        n = x.shape[0]
+        return (self.q_proj(x).view(n, self.nh, self.hd), self.k_proj(x).view(n, self.num_kv_heads, self.hd),
+                self.v_proj(x).view(n, self.num_kv_heads, self.hd), None)
+
+    def output(self, x, out, extra):
+        return self.o_proj(out.reshape(x.shape[0], -1))

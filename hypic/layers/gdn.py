@@ -48,7 +48,7 @@ class GatedDeltaNet(LinearMixer):
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
 
-    def features(self, x):
+    def features(self, x, batch):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)   # [N, HV] fp32
         return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(self.in_proj_b(x))}
 

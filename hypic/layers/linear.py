@@ -46,7 +46,7 @@ class LinearMixer(nn.Module):
     def conv_dim(self) -> int:
         return 0
 
-    def features(self, x: torch.Tensor) -> dict:
+    def features(self, x: torch.Tensor, batch: ForwardBatch) -> dict:
         """Per-token tensors over the flat axis [N, ...]; "raw" [N, conv_dim] when conv_width > 0."""
         raise NotImplementedError
 
@@ -84,7 +84,7 @@ class LinearMixer(nn.Module):
     # -- the walk ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         L = self.layer_idx
-        f = self.features(x)
+        f = self.features(x, batch)
         out = None
         for seq in batch.seqs:
             if L not in seq.state.layers:
@@ -103,8 +103,8 @@ class LinearMixer(nn.Module):
             for summarize, items in groups.items():
                 if items:
                     out = self._runs(items, x, f, out, summarize)
-        if out is None:                                   # no active tokens
-            out = x.new_zeros((0,))
+        if out is None:                                   # no runs: no active tokens, nothing to output
+            return torch.zeros_like(x)
         return self.output(x, out, f)
 
     def apply_entry(self, st: LinearState, piece: Apply, exact: bool) -> None:

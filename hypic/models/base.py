@@ -14,8 +14,9 @@ from ..runtime.batch import ForwardBatch
 class CausalLM(nn.Module):
     """forward(batch) -> fp32 logits [M, vocab] for the rows batch.logits_index names.
 
-    Subclasses build `self.model` with `embed_tokens`, `layers` (each with a `mixer` property,
-    None for mixer-less blocks) and `norm`, and `self.lm_head`."""
+    Subclasses build `self.model` with `embed_tokens`, `layers` (each with a `state_mixer`
+    property: its LinearMixer / AttentionMixer, None for a block without state) and `norm`, and
+    `self.lm_head`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -28,7 +29,7 @@ class CausalLM(nn.Module):
     @property
     def mixers(self) -> dict[int, nn.Module]:
         """layer index -> its stateful mixer (a LinearMixer or an AttentionMixer)."""
-        return {i: layer.mixer for i, layer in enumerate(self.model.layers) if layer.mixer is not None}
+        return {i: layer.state_mixer for i, layer in enumerate(self.model.layers) if layer.state_mixer is not None}
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.embed_tokens(batch.input_ids)

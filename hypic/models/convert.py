@@ -84,3 +84,46 @@ def qwen3_next(tensors: dict, cfg: ModelConfig) -> dict:
         else:
             out[name] = t
     return out
+
+
+
+def _rename(tensors: dict, rules) -> dict:
+    out = {}
+    for name, t in tensors.items():
+        for pat, rep in rules:
+            name = re.sub(pat, rep, name)
+        out[name] = t
+    return out
+
+
+# Mixtral-style MoE checkpoints: block_sparse_moe.{gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)}
+_MIXTRAL = [(r"\.block_sparse_moe\.", ".mlp."), (r"(\.mlp\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
+            (r"(\.mlp\.experts\.\d+)\.w3\.", r"\1.up_proj."), (r"(\.mlp\.experts\.\d+)\.w2\.", r"\1.down_proj.")]
+
+
+def kimi_linear(tensors: dict, cfg: ModelConfig) -> dict:
+    """Checkpoint layout (as save_pretrained writes it): block_sparse_moe.{gate, experts.{e}.w1/w2/w3,
+    shared_experts} (dense layers too), q/k/v_conv1d (concatenated into one conv here), forget-gate
+    tensors directly under self_attn."""
+    t = _rename(tensors, _MIXTRAL + [(r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)", r".self_attn.forget_gate.\1")])
+    out = {}
+    for name, x in t.items():
+        if name.endswith("self_attn.q_conv1d.weight"):
+            parts = [t[name.replace("q_conv1d", c)] for c in ("q_conv1d", "k_conv1d", "v_conv1d")]
+            out[name.replace("q_conv1d", "conv1d")] = torch.cat(parts, dim=0)
+        elif not name.endswith(("self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")):
+            out[name] = x
+    return _common(out, cfg)
+
+
+def minimax(tensors: dict, cfg: ModelConfig) -> dict:
+    """Mixtral-style experts; the lightning decay buffers (slope_rate, *_decay) are dropped: hypic
+    derives the slopes from the config."""
+    t = {k: v for k, v in tensors.items() if not re.search(r"self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$", k)}
+    return _common(_rename(t, _MIXTRAL), cfg)
+
+
+def nemotron_h(tensors: dict, cfg: ModelConfig) -> dict:
+    """Original layout: backbone.{embeddings, layers.{i}.{norm, mixer.*}, norm_f}."""
+    return _common(_rename(tensors, [(r"^backbone\.embeddings\.", "model.embed_tokens."),
+                                     (r"^backbone\.norm_f\.", "model.norm."), (r"^backbone\.", "model.")]), cfg)

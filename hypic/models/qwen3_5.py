@@ -34,11 +34,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @property
-    def mixer(self):
+    def state_mixer(self):
         return self.self_attn if self.is_attention else self.linear_attn
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.mixer(self.input_layernorm(h), batch)
+        h = h + self.state_mixer(self.input_layernorm(h), batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

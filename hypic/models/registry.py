@@ -10,6 +10,9 @@ _MODELS = {
     "qwen3_5": ("hypic.models.qwen3_5", "HybridForCausalLM", "hypic.models.convert", "qwen3_5"),
     "qwen3_5_moe": ("hypic.models.qwen3_5", "HybridForCausalLM", "hypic.models.convert", "qwen3_5"),
     "qwen3_next": ("hypic.models.qwen3_5", "HybridForCausalLM", "hypic.models.convert", "qwen3_next"),
+    "kimi_linear": ("hypic.models.kimi_linear", "KimiLinearForCausalLM", "hypic.models.convert", "kimi_linear"),
+    "minimax": ("hypic.models.minimax", "MiniMaxForCausalLM", "hypic.models.convert", "minimax"),
+    "nemotron_h": ("hypic.models.nemotron_h", "NemotronHForCausalLM", "hypic.models.convert", "nemotron_h"),
 }
 
 

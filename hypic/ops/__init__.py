@@ -18,9 +18,16 @@ class Backend:
     name: str
     chunk_gated_delta_rule: Callable
     recurrent_gated_delta_rule: Callable
+    chunk_kda: Callable
+    recurrent_kda: Callable
+    chunk_gla: Callable
+    recurrent_gla: Callable
+    chunk_simple_gla: Callable
+    recurrent_simple_gla: Callable
     causal_conv1d: Callable
     position_attention: Callable
     route: Callable
+    route_grouped_sigmoid: Callable
     experts_forward: Callable
 
 
@@ -34,7 +41,8 @@ def get_backend(name: str) -> Backend:
     if name not in _LOADED:
         m = importlib.import_module(_REGISTRY[name])
         _LOADED[name] = Backend(
-            name, m.chunk_gated_delta_rule, m.recurrent_gated_delta_rule, m.causal_conv1d,
-            m.position_attention, m.route, m.experts_forward,
+            name, m.chunk_gated_delta_rule, m.recurrent_gated_delta_rule, m.chunk_kda, m.recurrent_kda, m.chunk_gla,
+            m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d,
+            m.position_attention, m.route, m.route_grouped_sigmoid, m.experts_forward,
         )
     return _LOADED[name]

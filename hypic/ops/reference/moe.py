@@ -32,3 +32,22 @@ def experts_forward(x, weights, experts, gate_up, down):
         y = F.linear(F.silu(gate) * up, down[e]) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
+
+
+def route_grouped_sigmoid(x, router, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                          scaling: float):
+    """DeepSeek-V3 / Kimi routing: sigmoid scores (fp32); experts are chosen by score + bias within the
+    best `topk_group` of `n_group` groups (a group's score: the sum of its top two); the weights are
+    the unbiased scores, optionally renormalised, times `scaling`. Returns (weights fp32 [N, k], experts)."""
+    scores = F.linear(x.float(), router.float()).sigmoid()
+    choice = scores + bias.float()
+    n, e = choice.shape
+    group_scores = choice.view(n, n_group, e // n_group).topk(2, dim=-1)[0].sum(-1)
+    groups = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    mask = mask[:, :, None].expand(n, n_group, e // n_group).reshape(n, e)
+    experts = torch.topk(choice.masked_fill(~mask, float("-inf")), k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, experts

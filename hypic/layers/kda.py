@@ -1,0 +1,79 @@
+"""Kimi Delta Attention (Kimi-Linear): the delta rule with a decay per key channel. Dense T.
+
+Per head the state is [K, V] and S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
+so a segment's T is a dense K x K matrix per head (appended-identity trick). q, k, v each pass a
+short causal conv (one conv over their concatenation here; checkpoints store q/k/v_conv1d).
+Parameter names follow transformers' KimiLinearDeltaAttention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..compose.transition import Form
+from ..config import ModelConfig
+from .linear import LinearMixer, dense_summary_kernel
+from .norm import SigmoidGatedRMSNorm
+
+
+class ForgetGate(nn.Module):
+    def __init__(self, hidden: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, heads * head_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(heads * head_dim))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1))
+
+    def forward(self, x):
+        """-> log decay g [N, H, K] fp32: -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)."""
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
+        return -self.A_log.float().exp()[0] * F.softplus(g)
+
+
+class KimiDeltaAttention(LinearMixer):
+    form = Form.DENSE
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
+        super().__init__(layer_idx, ops)
+        p = cfg.params
+        self.h, self.d = p.linear_num_heads, p.linear_head_dim
+        self.qkv_dim = self.h * self.d
+        self.conv_width = p.linear_conv_kernel_dim
+        hs = cfg.hidden_size
+        self.q_proj = nn.Linear(hs, self.qkv_dim, bias=False)
+        self.k_proj = nn.Linear(hs, self.qkv_dim, bias=False)
+        self.v_proj = nn.Linear(hs, self.qkv_dim, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False,
+                                padding=self.conv_width - 1)
+        self.forget_gate = ForgetGate(hs, self.h, self.d)
+        self.b_proj = nn.Linear(hs, self.h, bias=False)
+        self.g_a_proj = nn.Linear(hs, self.d, bias=False)
+        self.g_b_proj = nn.Linear(self.d, self.qkv_dim, bias=False)
+        self.o_norm = SigmoidGatedRMSNorm(self.d, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(self.qkv_dim, hs, bias=False)
+
+    @property
+    def state_shape(self):
+        return self.h, self.d, self.d
+
+    @property
+    def conv_dim(self) -> int:
+        return 3 * self.qkv_dim
+
+    def features(self, x, batch):
+        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return {"raw": raw, "g": self.forget_gate(x), "beta": torch.sigmoid(self.b_proj(x)),
+                "gate": self.g_b_proj(self.g_a_proj(x))}
+
+    def kernel(self, f, conv_out, idx, init, cu, summarize):
+        q, k, v = (t.reshape(-1, self.h, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
+        fn = self.ops.recurrent_kda if int((cu[1:] - cu[:-1]).max()) == 1 else self.ops.chunk_kda
+        return dense_summary_kernel(fn, q, k, v, init, cu, summarize, g=f["g"][None, idx], beta=f["beta"][None, idx],
+                                    use_qk_l2norm_in_kernel=True)
+
+    def output(self, x, o, f):
+        n = x.shape[0]
+        return self.o_proj(self.o_norm(o, f["gate"].view(n, self.h, self.d)).reshape(n, self.qkv_dim))

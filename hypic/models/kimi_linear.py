@@ -1,0 +1,88 @@
+"""Kimi-Linear: KDA linear layers with an MLA (NoPE) layer every few layers, a dense MLP on the first
+layers and a DeepSeek-style MoE (sigmoid grouped routing, shared experts) elsewhere, plain RMSNorms.
+Parameter names are transformers' KimiLinear names (the converter maps checkpoint names onto them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import FULL, ModelConfig
+from ..layers.kda import KimiDeltaAttention
+from ..layers.mla import MultiHeadLatentAttention
+from ..layers.mlp import MLP, Experts
+from ..layers.norm import ScaledRMSNorm
+from ..runtime.batch import ForwardBatch
+from .base import CausalLM, uniform
+
+
+class KimiRouter(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.params.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.params.num_experts))
+
+
+class KimiMoe(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        p = self.p = cfg.params
+        self.ops = ops
+        self.gate = KimiRouter(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, p.moe_intermediate_size * p.num_shared_experts)
+
+    def forward(self, x):
+        p = self.p
+        w, e = self.ops.route_grouped_sigmoid(x, self.gate.weight, self.gate.e_score_correction_bias,
+                                              p.num_experts_per_tok, p.n_group, p.topk_group, p.norm_topk_prob,
+                                              p.routed_scaling_factor)
+        return self.ops.experts_forward(x, w, e, self.experts.gate_up_proj, self.experts.down_proj) + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, ops):
+        super().__init__()
+        p = cfg.params
+        self.self_attn = (MultiHeadLatentAttention(cfg, i, ops) if cfg.layer_types[i] == FULL
+                          else KimiDeltaAttention(cfg, i, ops))
+        self.mlp = KimiMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
+        self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def state_mixer(self):
+        return self.self_attn
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class KimiLinearForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__(cfg)
+        self.model = Backbone(cfg, ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie()
+
+    def dummy_init(self, name, p, generator) -> bool:
+        if name.endswith("A_log"):                      # fla's init: A in [1, 16]
+            p.copy_(uniform(p, 1.0, 16.0, generator).log())
+        elif name.endswith("dt_bias"):                  # inverse softplus of dt in [1e-3, 1e-1]
+            dt = uniform(p, -6.9078, -2.3026, generator).exp()
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
+        elif name.endswith("e_score_correction_bias"):
+            p.zero_()
+        else:
+            return False
+        return True

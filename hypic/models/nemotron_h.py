@@ -1,0 +1,84 @@
+"""Nemotron-H: a stack of single-mixer blocks, each Mamba2, attention (NoPE, GQA) or a squared-ReLU
+MLP, with pre-norm and a residual. Parameter names are transformers' (`backbone.` in original
+checkpoints is mapped to `model.` by the converter)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import FULL, LINEAR, ModelConfig
+from ..layers.attention import Attention
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.norm import ScaledRMSNorm
+from ..runtime.batch import ForwardBatch
+from .base import CausalLM, uniform
+
+
+class Relu2MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x, batch=None):
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class FP32ScaledRMSNorm(ScaledRMSNorm):
+    """Nemotron-H keeps the weight multiply in fp32 and casts the product."""
+
+    def forward(self, x):
+        xf = x.float()
+        return (self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, ops):
+        super().__init__()
+        p = cfg.params
+        self.norm = FP32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        kind = cfg.layer_types[i]
+        if kind == LINEAR:
+            self.mixer = Mamba2Mixer(cfg, i, ops)
+        elif kind == FULL:
+            self.mixer = Attention(cfg, i, ops, None)
+        else:
+            self.mixer = Relu2MLP(cfg.hidden_size, p.intermediate_size, p.mlp_bias)
+        self.stateful = kind in (LINEAR, FULL)
+
+    @property
+    def state_mixer(self):
+        return self.mixer if self.stateful else None
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return h + self.mixer(self.norm(h), batch)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i, ops) for i in range(cfg.num_layers))
+        self.norm = FP32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class NemotronHForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__(cfg)
+        self.model = Backbone(cfg, ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie()
+
+    def dummy_init(self, name, p, generator) -> bool:
+        if name.endswith("A_log"):
+            p.copy_(torch.arange(1, p.shape[0] + 1, dtype=p.dtype, device=p.device).log())
+        elif name.endswith(".D"):
+            p.fill_(1.0)
+        elif name.endswith("dt_bias"):                     # inverse softplus of dt in [1e-3, 1e-1]
+            dt = uniform(p, -6.9078, -2.3026, generator).exp()
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
+        else:
+            return False
+        return True
