@@ -20,30 +20,11 @@ import argparse
 import collections
 import json
 import random
-import re
-import string
 import sys
 import time
 from pathlib import Path
 
-
-def normalize(s: str) -> str:
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def f1(pred: str, gold: str) -> float:
-    p, g = normalize(pred).split(), normalize(gold).split()
-    common = collections.Counter(p) & collections.Counter(g)
-    same = sum(common.values())
-    if not p or not g:
-        return float(p == g)
-    if same == 0:
-        return 0.0
-    prec, rec = same / len(p), same / len(g)
-    return 2 * prec * rec / (prec + rec)
+from metrics import exact_match, f1
 
 
 def parse_mode(m: str) -> tuple[str, int]:
@@ -88,7 +69,7 @@ def run(a) -> None:
                 nll = -sum(llm.score(prompt, cont))
                 rec = {"model": a.model, "set": a.set, "mode": mode, "seam": seam, "i": i,
                        "gold_position": order.index(row.get("gold", 0)), "pred": o.text.strip(), "gold": gold,
-                       "em": float(normalize(o.text) == normalize(gold)), "f1": f1(o.text, gold), "nll": nll,
+                       "em": exact_match(o.text, gold), "f1": f1(o.text, gold), "nll": nll,
                        "prompt_tokens": o.num_prompt_tokens, "composed_tokens": o.composed_tokens,
                        "recomputed_tokens": o.recomputed_tokens, "ttft_s": o.ttft_s}
                 fh.write(json.dumps(rec) + "\n")

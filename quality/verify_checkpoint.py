@@ -11,35 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import string
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.modules["fla"] = None  # fla's Triton kernels cannot run on CPU: use transformers' torch paths
 
 import torch  # noqa: E402
 
+from metrics import f1, normalize as norm  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def norm(s: str) -> str:
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def f1(pred: str, gold: str) -> float:
-    p, g = norm(pred).split(), norm(gold).split()
-    common = Counter(p) & Counter(g)
-    ns = sum(common.values())
-    if ns == 0:
-        return 0.0
-    pr, rc = ns / len(p), ns / len(g)
-    return 2 * pr * rc / (pr + rc)
 
 
 def encode(tok, e):
