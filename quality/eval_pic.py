@@ -85,7 +85,7 @@ def bootstrap(values, rng, n=1000):
     return means[int(0.025 * n)], means[int(0.975 * n) - 1]
 
 
-def report(paths) -> None:
+def report(paths, min_n: int = 1) -> None:
     cells = collections.defaultdict(dict)        # (model, set) -> (mode, seam) -> {i: rec}
     for p in paths:
         for line in open(p):
@@ -102,6 +102,8 @@ def report(paths) -> None:
         for (mode, seam) in order:
             recs = modes[(mode, seam)]
             ids = sorted(recs)
+            if len(ids) < min_n:
+                continue
             em = [recs[i]["em"] for i in ids]
             lo, hi = bootstrap(em, rng)
             paired = [recs[i]["em"] - full[i]["em"] for i in ids if i in full]
@@ -126,10 +128,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out")
-    ap.add_argument("--report", nargs="*")
+    ap.add_argument("--report", nargs="*", help="print the table of these result files")
+    ap.add_argument("--min-n", type=int, default=1, help="with --report: hide cells with fewer questions")
     a = ap.parse_args()
     if a.report:
-        report(a.report)
+        report(a.report, a.min_n)
     else:
         a.out = a.out or f"quality/results/{Path(a.model).name}_{a.set}.jsonl"
         run(a)
