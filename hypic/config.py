@@ -298,6 +298,40 @@ def _parse_nemotron_h(hf):
 
 
 @dataclass(frozen=True)
+class JambaParams:
+    """Jamba: Mamba (S6) layers + NoPE attention, MLP or softmax top-k MoE (not renormalised)."""
+
+    mamba_expand: int
+    mamba_d_state: int
+    mamba_d_conv: int
+    mamba_dt_rank: int
+    mamba_conv_bias: bool
+    mamba_proj_bias: bool
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+
+
+def _parse_jamba(hf):
+    experts = tuple(hf.layers_num_experts)
+    params = JambaParams(
+        mamba_expand=hf.mamba_expand, mamba_d_state=hf.mamba_d_state, mamba_d_conv=hf.mamba_d_conv,
+        mamba_dt_rank=hf.mamba_dt_rank, mamba_conv_bias=bool(hf.mamba_conv_bias),
+        mamba_proj_bias=bool(hf.mamba_proj_bias), num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads, head_dim=hf.hidden_size // hf.num_attention_heads,
+        attention_bias=False, intermediate_size=hf.intermediate_size,
+        moe_layers=tuple(i for i, e in enumerate(experts) if e > 1), num_experts=hf.num_experts,
+        num_experts_per_tok=hf.num_experts_per_tok, moe_intermediate_size=hf.intermediate_size)
+    return tuple(hf.layer_types), params
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str          # hypic architecture: selects the model module (models/registry.py)
     hf_type: str       # transformers model_type whose config class parses the dict
@@ -315,10 +349,23 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "kimi_linear": ArchSpec("kimi_linear", "kimi_linear", _parse_kimi),
     "minimax": ArchSpec("minimax", "minimax", _parse_minimax),
     "nemotron_h": ArchSpec("nemotron_h", "nemotron_h", _parse_nemotron_h),
+    "jamba": ArchSpec("jamba", "jamba", _parse_jamba),
 }
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
-UNSUPPORTED: dict[str, str] = {}
+UNSUPPORTED: dict[str, str] = {
+    "falcon_h1": "Mamba2 + attention in parallel in every layer with muP multipliers; not implemented yet",
+    "granitemoehybrid": "Mamba2 hybrid with muP multipliers; not implemented yet",
+    "zamba2": "Mamba2 with shared attention blocks and LoRA adapters; not implemented yet",
+    "zamba": "Mamba1 with a shared attention block; not implemented yet",
+    "bailing_hybrid": "Ling 3.0 (KDA + MLA with RoPE); not implemented yet (its MLA keys need RoPE placement)",
+    "lfm2": "short-convolution layers only (no recurrent state): PIC would need a conv-only entry; not implemented",
+    "olmo_hybrid": "Gated DeltaNet + attention; not implemented yet",
+    "recurrent_gemma": "RG-LRU + local (sliding-window) attention: a windowed KV is not position independent",
+    "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
+    "mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
+    "mamba2": "pure Mamba2, no attention layer: not a hybrid, not implemented",
+}
 
 
 def _freeze(v):

@@ -23,6 +23,7 @@ ARCHS = {
     "kimi_linear": ("tiny-kimi-linear", "KimiLinearForCausalLM"),
     "minimax": ("tiny-minimax", "MiniMaxForCausalLM"),
     "nemotron_h": ("tiny-nemotron-h", "NemotronHForCausalLM"),
+    "jamba": ("tiny-jamba", "JambaForCausalLM"),
 }
 
 
@@ -48,9 +49,9 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith("conv1d.weight"):
                 p.mul_(3.0)
-            elif name.endswith("mixer.D"):               # Mamba2's skip: small, so the state path shows
+            elif name.endswith((".mixer.D", ".mamba.D")):   # Mamba's skip: small, so the state path shows
                 p.copy_(torch.randn_like(p) * 0.1)
-            elif name.endswith("mixer.in_proj.weight"):  # Mamba2's x, B, C at O(1): a non-negligible state
+            elif name.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight")):   # Mamba's x, B, C at O(1)
                 p.mul_(5.0)
     return model
 

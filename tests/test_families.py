@@ -3,8 +3,8 @@ per-token inputs. A sequence is run in one piece, then as segments the way the e
 them: each segment's seam [0, w) forwarded in context and its isolated summary of [w, L) (built
 from positions 0..L-1 and a zero state) applied in between.
 
-Parametrized over families (dense: Gated DeltaNet, KDA; scalar: lightning, Mamba2; RoPE'd
-lightning), shapes (heads, key / value dims, value heads per key head), seams and segment lengths
+Parametrized over families (dense: Gated DeltaNet, KDA; scalar: lightning, Mamba2; diagonal:
+Mamba1; RoPE'd lightning), shapes (heads, key / value dims, value heads per key head), seams and segment lengths
 down to 1 (shorter than the conv window, and chains of such segments).
 
 Tolerances: fp32 everywhere; the composed and the sequential state differ only in summation
@@ -72,7 +72,20 @@ def _mamba2(h, r, dk, dv):
     return cfg, layer
 
 
-FAMILIES = {"gdn": _gdn, "kda": _kda, "lightning": _lightning, "mamba2": _mamba2,
+def _mamba1(h, r, dk, dv):
+    """Every channel is a head with K = d_state and V = 1 (heads = expand * hidden)."""
+    from hypic.layers.mamba1 import Mamba1Mixer
+
+    cfg = ModelConfig.from_dict(dict(preset_config("tiny-jamba"), mamba_d_state=dk, mamba_expand=h))
+    layer = Mamba1Mixer(cfg, 0, OPS)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.empty_like(layer.A_log).uniform_(0.01, 0.1).log())
+        layer.dt_proj.bias.uniform_(-2.0, 0.0)
+        layer.D.mul_(0.1)
+    return cfg, layer
+
+
+FAMILIES = {"gdn": _gdn, "kda": _kda, "lightning": _lightning, "mamba2": _mamba2, "mamba1": _mamba1,
             "lightning_rope": lambda *a: _lightning(*a, rope=True)}
 SHAPES = [(1, 1, 8, 8), (2, 2, 16, 8), (2, 1, 4, 12)]       # (key heads, value heads per key head, K, V)
 

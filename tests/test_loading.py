@@ -72,6 +72,36 @@ def test_unsupported_layer_type(hf_checkpoints, tmp_path):
         LLM(str(tmp_path), load_format="dummy")
 
 
+@pytest.mark.parametrize("arch,field,value,name", [
+    ("nemotron_h", "layers_block_type", ["mamba", "moe", "attention"], "moe"),
+    ("kimi_linear", "layer_types", ["linear_attention", "sliding_attention"], "sliding_attention"),
+    ("jamba", None, None, None),
+])
+def test_unsupported_layer_type_names_the_type(arch, field, value, name):
+    """A config with a layer type hypic cannot serve fails at parse time, naming the type."""
+    from hypic.config import ModelConfig
+    from hypic.models.presets import preset_config
+
+    presets = {"nemotron_h": "tiny-nemotron-h", "kimi_linear": "tiny-kimi-linear", "jamba": "tiny-jamba"}
+    d = preset_config(presets[arch])
+    if field is None:                                       # the preset itself parses
+        assert ModelConfig.from_dict(d).arch == arch
+        return
+    d[field] = value
+    d.pop("num_hidden_layers", None)
+    if arch == "kimi_linear":
+        d["num_hidden_layers"] = len(value)
+        d["mlp_layer_types"] = ["dense"] * len(value)
+    with pytest.raises(UnsupportedArchitectureError, match=name):
+        ModelConfig.from_dict(d)
+
+
+def test_unsupported_hybrid_says_why(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon_h1"}))
+    with pytest.raises(UnsupportedArchitectureError, match="falcon_h1.*muP"):
+        LLM(str(tmp_path))
+
+
 def test_missing_and_mismatched_weights(hf_checkpoints, tmp_path):
     _, path = hf_checkpoints["qwen3_5"]
     shutil.copy(path / "config.json", tmp_path / "config.json")
@@ -113,6 +143,19 @@ def test_unknown_model_and_options():
         LLM("tiny-qwen3.5", cache_mode="bogus")
     with pytest.raises(ConfigError, match="load_format"):
         LLM("tiny-qwen3.5", load_format="gguf")
+
+
+def test_dummy_load_every_architecture(hf_checkpoints, arch):
+    """Dummy weights at the checkpoint's architecture: deterministic per seed, finite logits, and
+    PIC still composes (a hit after a miss gives the same logits)."""
+    _, path = hf_checkpoints[arch]
+    a = LLM(str(path), load_format="dummy", seed=3)
+    p = Prompt(segments=[rand_ids(30, 1), rand_ids(20, 2)], query=[1, 2])
+    x, y = a.next_token_logits(p), a.next_token_logits(p)
+    assert torch.isfinite(x).all()
+    torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+    b = LLM(str(path), load_format="dummy", seed=3)
+    torch.testing.assert_close(b.next_token_logits(p), x, atol=0, rtol=0)
 
 
 def test_dummy_load_of_a_directory(hf_checkpoints):

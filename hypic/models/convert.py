@@ -127,3 +127,9 @@ def nemotron_h(tensors: dict, cfg: ModelConfig) -> dict:
     """Original layout: backbone.{embeddings, layers.{i}.{norm, mixer.*}, norm_f}."""
     return _common(_rename(tensors, [(r"^backbone\.embeddings\.", "model.embed_tokens."),
                                      (r"^backbone\.norm_f\.", "model.norm."), (r"^backbone\.", "model.")]), cfg)
+
+
+def jamba(tensors: dict, cfg: ModelConfig) -> dict:
+    """Per-expert feed_forward.experts.{e}.{gate,up,down}_proj -> fused 3-D tensors."""
+    t = _rename(tensors, [(r"\.feed_forward\.experts\.", ".mlp.experts.")])
+    return _rename(_common(t, cfg), [(r"\.mlp\.experts\.", ".feed_forward.experts.")])

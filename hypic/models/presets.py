@@ -58,6 +58,13 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
         eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    "tiny-jamba": dict(
+        model_type="jamba", vocab_size=320, hidden_size=32, num_hidden_layers=4, attn_layer_period=4,
+        attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+        intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=65536, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # A larger CPU preset for benchmarks (still random weights, still the built-in tokenizer).
     "small-qwen3.5": dict(_tiny("qwen3_5_text", intermediate_size=1024), hidden_size=256, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,

@@ -13,6 +13,7 @@ _MODELS = {
     "kimi_linear": ("hypic.models.kimi_linear", "KimiLinearForCausalLM", "hypic.models.convert", "kimi_linear"),
     "minimax": ("hypic.models.minimax", "MiniMaxForCausalLM", "hypic.models.convert", "minimax"),
     "nemotron_h": ("hypic.models.nemotron_h", "NemotronHForCausalLM", "hypic.models.convert", "nemotron_h"),
+    "jamba": ("hypic.models.jamba", "JambaForCausalLM", "hypic.models.convert", "jamba"),
 }
 
 

@@ -1,0 +1,73 @@
+"""Mamba (S6) mixer as Jamba uses it: diagonal, input-dependent transitions per channel.
+
+in_proj(x) = [x (I) | gate z (I)]; a short causal conv (bias, silu) over x; then
+x_proj(x) = [dt (R) | B (N) | C (N)], each RMS-normed (Jamba), dt = softplus(dt_proj(dt)) [I], and
+per channel d with A = -exp(A_log) [I, N]:
+    h_t[d, :] = exp(dt_t[d] A[d, :]) * h_{t-1}[d, :] + dt_t[d] x_t[d] B_t        y_t[d] = h_t[d, :] . C_t + D[d] x_t[d]
+In fla's layout every channel is a head with K = N and V = 1: q = C and k = B shared by all
+heads (one key head), v = dt * x, per-key-channel log decay g[d, n] = dt[d] A[d, n]. The state is
+[I, N, 1] and a segment's T is diagonal: exp(sum_t dt_t[d] A[d, n]), an [I, N] array.
+Output: out_proj(y * silu(z)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..compose.transition import Form, log_decay_transitions
+from ..config import ModelConfig
+from .linear import LinearMixer
+from .norm import ScaledRMSNorm
+
+
+class Mamba1Mixer(LinearMixer):
+    form = Form.DIAGONAL
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
+        super().__init__(layer_idx, ops)
+        p = cfg.params
+        hs = cfg.hidden_size
+        self.inner, self.n, self.rank = p.mamba_expand * hs, p.mamba_d_state, p.mamba_dt_rank
+        self.conv_width = p.mamba_d_conv
+        self.in_proj = nn.Linear(hs, 2 * self.inner, bias=p.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(self.inner, self.inner, self.conv_width, groups=self.inner, bias=p.mamba_conv_bias,
+                                padding=self.conv_width - 1)
+        self.x_proj = nn.Linear(self.inner, self.rank + 2 * self.n, bias=False)
+        self.dt_proj = nn.Linear(self.rank, self.inner, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(self.inner, self.n))
+        self.D = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, hs, bias=p.mamba_proj_bias)
+        self.dt_layernorm = ScaledRMSNorm(self.rank, cfg.rms_norm_eps)
+        self.b_layernorm = ScaledRMSNorm(self.n, cfg.rms_norm_eps)
+        self.c_layernorm = ScaledRMSNorm(self.n, cfg.rms_norm_eps)
+
+    @property
+    def state_shape(self):
+        return self.inner, self.n, 1
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner
+
+    def features(self, x, batch):
+        raw, z = self.in_proj(x).chunk(2, dim=-1)
+        return {"raw": raw, "z": z}
+
+    def kernel(self, f, conv_out, idx, init, cu, summarize):
+        dt, B, C = self.x_proj(conv_out).split([self.rank, self.n, self.n], dim=-1)
+        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.t()
+        dt = F.softplus(dt.float() + self.dt_proj.bias.float())                  # [n, I]
+        g = dt[:, :, None] * -self.A_log.float().exp()                           # [n, I, N] log decay
+        v = (dt * conv_out.float())[..., None]                                    # [n, I, 1]
+        q, k = self.c_layernorm(C)[:, None], self.b_layernorm(B)[:, None]        # one key head
+        fn = self.ops.recurrent_gla if int((cu[1:] - cu[:-1]).max()) == 1 else self.ops.chunk_gla
+        o, final = fn(q[None], k[None], v[None], g[None], scale=1.0, initial_state=init, output_final_state=True,
+                      cu_seqlens=cu)
+        o = o[0, :, :, 0] + self.D.float() * conv_out.float()
+        ts = log_decay_transitions(g, cu, Form.DIAGONAL) if summarize else None
+        return o, final, ts
+
+    def output(self, x, o, f):
+        return self.out_proj((o * F.silu(f["z"].float())).to(x.dtype))

@@ -1,0 +1,79 @@
+"""Jamba: Mamba (S6) layers with an attention layer (NoPE, GQA) every `attn_layer_period` layers,
+SwiGLU MLP or a softmax top-k MoE (weights not renormalised) every `expert_layer_period` layers,
+plain RMSNorms. Parameter names are transformers' Jamba names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import FULL, ModelConfig
+from ..layers.attention import Attention
+from ..layers.mamba1 import Mamba1Mixer
+from ..layers.mlp import MLP, Experts, Router
+from ..layers.norm import ScaledRMSNorm
+from ..runtime.batch import ForwardBatch
+from .base import CausalLM
+
+
+class JambaMoe(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.ops = ops
+        self.top_k = cfg.params.num_experts_per_tok
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x):
+        w, e = self.ops.route(x, self.router.weight, self.top_k, False)
+        return self.ops.experts_forward(x, w, e, self.experts.gate_up_proj, self.experts.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, ops):
+        super().__init__()
+        p = cfg.params
+        if cfg.layer_types[i] == FULL:
+            self.self_attn = Attention(cfg, i, ops, None)
+        else:
+            self.mamba = Mamba1Mixer(cfg, i, ops)
+        self.feed_forward = JambaMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
+        self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def state_mixer(self):
+        return self.self_attn if hasattr(self, "self_attn") else self.mamba
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.state_mixer(self.input_layernorm(h), batch)
+        return h + self.feed_forward(self.pre_ff_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.final_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def norm(self):
+        return self.final_layernorm
+
+
+class JambaForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__(cfg)
+        self.model = Backbone(cfg, ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie()
+
+    def dummy_init(self, name, p, generator) -> bool:
+        if name.endswith("A_log"):                       # S4D-real: A[d, n] = n + 1
+            p.copy_(torch.arange(1, p.shape[-1] + 1, dtype=p.dtype, device=p.device).log().expand_as(p))
+        elif name.endswith(".D"):
+            p.fill_(1.0)
+        else:
+            return False
+        return True
