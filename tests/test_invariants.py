@@ -101,14 +101,16 @@ def test_prefix_mode_equals_full(llm):
 
 def test_naive_addition_is_far_off(llm):
     """Invariant 6: where PIC is exact (one segment at 0, seam < L), naive addition is not: the
-    test can fail. The bound is 50 x ATOL: the smallest gap is MiniMax's (~1e-2 at seam 32; its
-    lightning output is RMS-normed and gated, which damps a state error), while PIC stays ~1e-7."""
+    test can fail. The bound is 100 x ATOL, except MiniMax at 50 x ATOL: its gap is the smallest
+    (~1e-2 at seam 32; its lightning output is RMS-normed and gated, which damps a state error),
+    while PIC stays ~1e-7."""
     p = Prompt(segments=[rand_ids(150, 11)], query=rand_ids(5, 12))
     full = _logits(llm, p, "full")
     pic = _logits(llm, p, "pic", seam=32)
     naive = _logits(llm, p, "naive", seam=32)
     assert (pic - full).abs().max() < ATOL
-    assert (naive - full).abs().max() > 50 * ATOL
+    margin = 50 if llm.model_config.arch == "minimax" else 100
+    assert (naive - full).abs().max() > margin * ATOL
 
 
 def test_pic_with_seam_is_close_but_not_identical(llm):
