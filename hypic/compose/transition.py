@@ -116,4 +116,5 @@ def augment(v: torch.Tensor, init: torch.Tensor, k_dim: int):
 def split_augmented(final_aug: torch.Tensor, v_dim: int):
     """final [N, H, K, V + K] -> (S_out [N, H, K, V], [Transition] per sequence)."""
     s_out, t = final_aug[..., :v_dim], final_aug[..., v_dim:]
-    return s_out, [Transition(Form.DENSE, t[i]) for i in range(t.shape[0])]
+    # each T owns its memory: entries are cached one by one, and a view would pin the whole batch
+    return s_out, [Transition(Form.DENSE, t[i].clone()) for i in range(t.shape[0])]

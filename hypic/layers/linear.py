@@ -146,8 +146,8 @@ class LinearMixer(nn.Module):
             if summarize:
                 run.captures[L] = LinearSummary(ts[i], zero_start(final[i], ts[i], init[i]),
                                                 tails[i] if self.conv_width else None)
-            if run.mark:
-                run.captures[L] = LinearState(final[i], st.conv)
+            if run.mark:                 # cached in a prefix node: own the memory, not a view of the batch
+                run.captures[L] = LinearState(final[i].clone(), st.conv)
         return out
 
 

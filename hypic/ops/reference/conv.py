@@ -26,4 +26,6 @@ def causal_conv1d(x, weight, bias=None, *, window=None, activation: str | None =
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
-    return y.transpose(1, 2).to(x.dtype), xx[:, xx.shape[1] - (w - 1):]
+    # the new window owns its memory: it is kept in request states and prefix-cache nodes, where a
+    # view would pin the whole run's inputs while the byte accounting counts only W-1 rows
+    return y.transpose(1, 2).to(x.dtype), xx[:, xx.shape[1] - (w - 1):].clone()
