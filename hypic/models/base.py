@@ -14,16 +14,16 @@ from ..runtime.batch import ForwardBatch
 class CausalLM(nn.Module):
     """forward(batch) -> fp32 logits [M, vocab] for the rows batch.logits_index names.
 
-    Subclasses build `self.model` with `embed_tokens`, `layers` (each with a `state_mixer`
-    property: its LinearMixer / AttentionMixer, None for a block without state) and `norm`, and
-    `self.lm_head`."""
+    Subclasses pass their backbone: a module with `embed_tokens`, `layers` (each with a
+    `state_mixer` property: its LinearMixer / AttentionMixer, None for a block without state) and
+    `norm`. The LM head (tied to the embeddings when the config says so) is built here."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backbone: nn.Module):
         super().__init__()
         self.config = cfg
-
-    def tie(self):
-        if self.config.tie_word_embeddings:
+        self.model = backbone
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property

@@ -54,10 +54,7 @@ class Backbone(nn.Module):
 
 class HybridForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg)
-        self.model = Backbone(cfg, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie()
+        super().__init__(cfg, Backbone(cfg, ops))
 
     def dummy_init(self, name, p, generator) -> bool:
         if name.endswith("A_log"):
