@@ -55,6 +55,8 @@ class Engine:
         self.segments = MemoryStore(config.segment_cache_bytes)
         self.prefix = PrefixCache(config.prefix_cache_bytes, loaded.fingerprint)
         self.planner = Planner(loaded.fingerprint, self.segments, self.prefix)
+        tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
+        self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(tok.eos_token_ids if tok else ())
 
     # -- stage 1: plan -------------------------------------------------------------------------
     def _plan(self, reqs: list[Request]) -> list[PrefillPlan]:
@@ -194,16 +196,11 @@ class Engine:
             r.logits.append(logits.cpu())
         r.output_ids.append(token)
         p = r.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
             r.finish_reason = "stop"
         elif len(r.output_ids) >= p.max_tokens or r.state.length >= self.cfg.max_position_embeddings:
             r.finish_reason = "length"
         return token
-
-    @property
-    def _eos(self) -> tuple[int, ...]:
-        tok = self.loaded.tokenizer
-        return tuple(set(self.cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ()))
 
     def generate(self, reqs: list[Request]) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -226,7 +223,7 @@ class Engine:
     def finish(self, r: Request) -> RequestOutput:
         """The request's output; releases its state (KV, recurrent states)."""
         tok = self.loaded.tokenizer
-        stop = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self._eos))
+        stop = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos)
         shown = r.output_ids[:-1] if r.finish_reason == "stop" and r.output_ids[-1] in stop else r.output_ids
         text = tok.decode(shown) if tok is not None else None
         r.state = None                                         # release the request's KV and states
