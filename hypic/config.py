@@ -417,10 +417,13 @@ class EngineConfig:
     segment_cache_bytes: int = 4 << 30
     prefix_cache_bytes: int = 4 << 30
     namespace: str = "default"
-    backend: str = "reference"         # op backend (ops/registry)
+    backend: str = "auto"              # op backend (hypic/ops): "auto" (= "fast"), "fast", "reference"
     max_segments: int = 1024
+    walk: str = "phased"               # linear layers' compose pass: "phased" (batched) or "rounds" (plain)
 
     def __post_init__(self):
+        if self.walk not in ("phased", "rounds"):
+            raise ConfigError(f"unknown walk {self.walk!r}; use 'phased' or 'rounds'")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
         if self.load_format not in ("auto", "dummy", "safetensors"):

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..cache.entry import LinearSummary
 from ..compose.transition import Form, Transition, compose, zero_start
-from ..runtime.batch import Apply, ForwardBatch
+from ..runtime.batch import Apply, ForwardBatch, Run
 from ..runtime.state import LinearState
 
 
@@ -85,10 +85,21 @@ class LinearMixer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         L = self.layer_idx
         f = self.features(x, batch)
-        out = None
         for seq in batch.seqs:
             if L not in seq.state.layers:
                 seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)
+        if batch.walk == "phased" and _phased_ok(batch):
+            out = self._forward_phased(x, f, batch)
+        else:
+            out = self._forward_rounds(x, f, batch)
+        if out is None:                                   # no runs: no active tokens, nothing to output
+            return torch.zeros_like(x)
+        return self.output(x, out, f)
+
+    def _forward_rounds(self, x, f, batch):
+        """The plain walk (the reference): round r takes the r-th piece of every sequence; the runs of a
+        round share one kernel call, Apply pieces compose one by one."""
+        L, out = self.layer_idx, None
         rounds = max((len(s.pieces) for s in batch.seqs), default=0)
         for r in range(rounds):
             groups: dict[bool, list] = {False: [], True: []}
@@ -103,19 +114,198 @@ class LinearMixer(nn.Module):
             for summarize, items in groups.items():
                 if items:
                     out = self._runs(items, x, f, out, summarize)
-        if out is None:                                   # no runs: no active tokens, nothing to output
-            return torch.zeros_like(x)
-        return self.output(x, out, f)
+        return out
 
-    def apply_entry(self, st: LinearState, piece: Apply, exact: bool) -> None:
+    def _forward_phased(self, x, f, batch):
+        """The batched compose pass, three phases for the whole batch whatever the number of pieces:
+
+        1. the zero-start summary (T, S) of every run that a later run depends on (seam windows),
+           one varlen kernel call;
+        2. each sequence's chain of affine maps (runs' summaries and cached segments, in order),
+           folded to give every run its initial state (one kernel for dense transitions on CUDA);
+        3. every run's outputs from its true initial state, one varlen call (two when some runs
+           are summarized for the cache and others are not).
+        Conv windows need no recurrence: the window before a run is the last W-1 raw inputs before
+        it (the previous run's, or a cached segment's tail), so all runs share one conv call.
+        Equal to `_forward_rounds` up to rounding (tests/test_phased.py)."""
+        L = self.layer_idx
+        seqs = batch.seqs
+        runs = [(seq, p) for seq in seqs for p in seq.pieces if isinstance(p, Run)]
+        if not runs:
+            for seq in seqs:                                   # Apply pieces only: compose in place
+                for p in seq.pieces:
+                    self.apply_entry(seq.state.layers[L], p, batch.exact_transition)
+            return None
+        lens = [p.n for _, p in runs]
+        cu_all = torch.tensor([0] + lens).cumsum(0)
+        conv_out, tails = None, {}
+        if self.conv_width:
+            conv_out, tails = self._conv_phased(runs, f["raw"], cu_all)
+        # phase 1: summaries of the runs that a later run depends on
+        need = []                                              # (index into runs, seq, run)
+        i = 0
+        for seq in seqs:
+            k = [j for j, p in enumerate(seq.pieces) if isinstance(p, Run)]
+            for j in k:
+                if j != k[-1]:
+                    need.append((i, seq, seq.pieces[j]))
+                i += 1
+        summ = {}
+        if need:
+            idx = torch.cat([torch.arange(run.start, run.end, device=x.device) for _, _, run in need])
+            cu = torch.tensor([0] + [run.n for _, _, run in need]).cumsum(0)
+            sub = None if conv_out is None else conv_out[idx]
+            h, kk, vv = self.state_shape
+            zeros = torch.zeros(len(need), h, kk, vv, device=x.device)
+            _, final, ts = self.kernel(f, sub, idx, zeros, cu, True)
+            for n_, (ri, _, _) in enumerate(need):
+                summ[ri] = (ts[n_], final[n_])
+        # phase 2: each sequence's chain of maps -> the initial state of every run
+        inits, finals_after = self._chain(seqs, summ, batch.exact_transition)
+        # phase 3: every run from its initial state
+        out = None
+        init = torch.stack(inits)
+        for summarize in (False, True):
+            sel = [i for i, (_, p) in enumerate(runs) if p.summarize == summarize]
+            if not sel:
+                continue
+            items = [runs[i] for i in sel]
+            idx = torch.cat([torch.arange(p.start, p.end, device=x.device) for _, p in items])
+            cu = torch.tensor([0] + [p.n for _, p in items]).cumsum(0)
+            sub = None if conv_out is None else (conv_out if len(sel) == len(runs) else conv_out[idx])
+            o, final, ts = self.kernel(f, sub, idx, init[sel] if len(sel) < len(runs) else init, cu, summarize)
+            if out is None:
+                out = o.new_zeros((x.shape[0],) + tuple(o.shape[1:]))
+            out[idx] = o.to(out.dtype)
+            for n_, i in enumerate(sel):
+                seq, run = runs[i]
+                if summarize:
+                    run.captures[L] = LinearSummary(ts[n_], zero_start(final[n_], ts[n_], init[i]), tails.get(i))
+                if run.mark:
+                    run.captures[L] = LinearState(final[n_].clone(), tails.get(("window", i)))
+                finals_after[i] = final[n_]
+        # each sequence's state after its last piece: its last run's final, then any Apply after it
+        i = 0
+        for seq in seqs:
+            st = seq.state.layers[L]
+            last = None
+            for j, p in enumerate(seq.pieces):
+                if isinstance(p, Run):
+                    last, i = (i, j), i + 1
+            st.rec = finals_after[last[0]]
+            for p in seq.pieces[last[1] + 1:]:
+                self.apply_entry(st, p, batch.exact_transition, conv=False)
+        return out
+
+    def _conv_phased(self, runs, raw, cu_all):
+        """One conv call for every run; also sets each sequence's final conv window and returns the
+        cache tails (index -> last W-1 raw inputs of a run; ("window", index) -> the window after it)."""
+        L, wm1 = self.layer_idx, self.conv_width - 1
+        weight, bias = self.conv_weights()
+        windows, tails, i = [], {}, 0
+        done = set()
+        for seq, _ in runs:
+            if id(seq) in done:
+                continue
+            done.add(id(seq))
+            st = seq.state.layers[L]
+            window = st.conv
+            for p in seq.pieces:
+                if isinstance(p, Apply):
+                    window = _shift(window, p.entry.layers[L].tail, wm1)
+                    continue
+                windows.append(window)
+                own = raw[max(p.start, p.end - wm1) : p.end]
+                if p.summarize:
+                    tails[i] = own.clone()
+                window = _shift(window, own, wm1)
+                if p.mark:
+                    tails[("window", i)] = window.clone()
+                i += 1
+            st.conv = window.clone() if _is_view_of(window, raw) else window   # own memory: states are cached
+        conv_out, _ = self.ops.causal_conv1d_varlen(raw, weight, bias, torch.stack(windows), cu_all,
+                                                    activation=self.conv_activation)
+        return conv_out, tails
+
+    def _chain(self, seqs, summ, exact_applies: bool):
+        """Phase 2: per run, its initial state; returns (inits in run order, finals placeholder list)."""
+        L = self.layer_idx
+        plans = []                    # per sequence: (init state, [(Transition, S, exact, run index or None)])
+        i = 0
+        for seq in seqs:
+            st = seq.state.layers[L]
+            maps, run_ids = [], []
+            for p in seq.pieces:
+                if isinstance(p, Run):
+                    run_ids.append(i)
+                    maps.append(("run", i))
+                    i += 1
+                else:
+                    maps.append(("apply", p))
+            plans.append((st.rec, maps, run_ids))
+        inits: list = [None] * i
+        dense_fast = self.form is Form.DENSE and exact_applies and self.key_rotation(0) is None
+        if dense_fast and any(len(m) > 1 for _, m, _ in plans):
+            return self._chain_dense(plans, summ, inits)
+        for rec, maps, run_ids in plans:
+            state = rec
+            for kind, v in maps:
+                if kind == "run":
+                    inits[v] = state
+                    if v in summ:
+                        t, s = summ[v]
+                        state = compose(state, t, s, exact=True)
+                    else:
+                        break                                  # the last run: phase 3 continues from here
+                else:
+                    state = self._applied(state, v, exact_applies)
+        return inits, [None] * i
+
+    def _chain_dense(self, plans, summ, inits):
+        """Dense chains of all sequences in one scan (compose/scan.py): every sequence's maps before its
+        last run; a non-last run starts from the state before its own map, the last run from the end."""
+        from ..compose.scan import scan_dense
+
+        L = self.layer_idx
+        Ts, Ss, cu, at = [], [], [0], {}
+        for rec, maps, run_ids in plans:
+            last = run_ids[-1] if run_ids else None
+            for kind, v in maps:
+                if kind == "run":
+                    if v == last:
+                        break
+                    at[v] = len(Ts)
+                    t, s = summ[v]
+                else:
+                    e = v.entry.layers[L]
+                    t, s = e.T, e.S
+                Ts.append(t.t)
+                Ss.append(s)
+            cu.append(len(Ts))
+        if not Ts:                                             # every sequence starts with its last run
+            for rec, _, run_ids in plans:
+                for v in run_ids:
+                    inits[v] = rec
+            return inits, [None] * len(inits)
+        before, final = scan_dense(torch.stack([rec for rec, _, _ in plans]), torch.stack(Ts), torch.stack(Ss), cu)
+        for n, (rec, maps, run_ids) in enumerate(plans):
+            for v in run_ids:
+                inits[v] = before[at[v]] if v in at else final[n]
+        return inits, [None] * len(inits)
+
+    def _applied(self, state, piece: Apply, exact: bool):
         summ: LinearSummary = piece.entry.layers[self.layer_idx]
         t, s = summ.T, summ.S
-        rot = self.key_rotation(piece.position - piece.entry.seam)   # the segment's start
+        rot = self.key_rotation(piece.position - piece.entry.seam)
         if rot is not None:
             t, s = t.rotated(rot), rot @ s
-        st.rec = compose(st.rec, t, s, exact=exact)
-        if self.conv_width:
-            st.conv = torch.cat([st.conv, summ.tail.to(st.conv.dtype)], dim=0)[-(self.conv_width - 1):]
+        return compose(state, t, s, exact=exact)
+
+    def apply_entry(self, st: LinearState, piece: Apply, exact: bool, conv: bool = True) -> None:
+        st.rec = self._applied(st.rec, piece, exact)
+        if self.conv_width and conv:
+            summ = piece.entry.layers[self.layer_idx]
+            st.conv = _shift(st.conv, summ.tail, self.conv_width - 1)
 
     def _runs(self, items, x, f, out, summarize: bool):
         L = self.layer_idx
@@ -149,6 +339,32 @@ class LinearMixer(nn.Module):
             if run.mark:                 # cached in a prefix node: own the memory, not a view of the batch
                 run.captures[L] = LinearState(final[i].clone(), st.conv)
         return out
+
+
+def _shift(window, new, wm1: int):
+    """The last wm1 rows of (window, new): the conv window after `new` raw inputs."""
+    if new.shape[0] >= wm1:
+        return new[new.shape[0] - wm1 :]
+    return torch.cat([window, new.to(window.dtype)], dim=0)[-wm1:]
+
+
+def _is_view_of(t, base) -> bool:
+    return t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+_SHORT_RUN = 64
+
+
+def _phased_ok(batch) -> bool:
+    """The phased walk pays when the runs that later runs depend on are short (seam windows between
+    cached segments, the seam part of an isolated prefill): their summaries cost little. A long run
+    followed by another (a prefix-mode chain of marked spans) would be summarized at full length:
+    walk those in rounds."""
+    for seq in batch.seqs:
+        runs = [p for p in seq.pieces if isinstance(p, Run)]
+        if any(r.n > _SHORT_RUN for r in runs[:-1]):
+            return False
+    return True
 
 
 def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, **kw):

@@ -34,7 +34,8 @@ def inverse_frequencies(cfg: ModelConfig, rotary_dim: int, rope: dict) -> tuple[
 class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary_dim: int, rope: dict):
         super().__init__()
-        inv, self.scaling = inverse_frequencies(cfg, rotary_dim, rope)
+        with torch.device("cpu"):            # real numbers even when the modules are built on "meta"
+            inv, self.scaling = inverse_frequencies(cfg, rotary_dim, rope)
         self.inv_freq = inv          # fp32 always: a plain attribute, so model.to(dtype) leaves it alone
         self.rotary_dim = rotary_dim
 

@@ -65,11 +65,35 @@ def _generator(engine: EngineConfig) -> torch.Generator:
     return g
 
 
-def _build(cfg: ModelConfig, engine: EngineConfig) -> torch.nn.Module:
+def _build(cfg: ModelConfig, engine: EngineConfig, device=None) -> torch.nn.Module:
+    """The model's modules on `device` (the engine's), parameters created in the engine's dtype
+    directly: a 35B model in bf16 never exists in fp32 (70 GB, not 140)."""
     ops = get_backend(engine.backend)
-    with torch.device(engine.device):
-        model = model_class(cfg.arch)(cfg, ops)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(engine.torch_dtype)
+    try:
+        with torch.device(device or engine.device):
+            model = model_class(cfg.arch)(cfg, ops)
+    finally:
+        torch.set_default_dtype(old)
     return model.to(engine.torch_dtype).eval()
+
+
+def from_tensors(cfg: ModelConfig, tensors: dict, engine: EngineConfig, ident: str) -> LoadedModel:
+    """A model whose parameters ARE the given checkpoint-named tensors (after the architecture's
+    conversion), with no copy where the layouts agree: e.g. a transformers model's state dict on the
+    GPU, for a side-by-side benchmark with one set of weights in memory."""
+    model = _build(cfg, engine, device="meta")
+    tensors = converter(cfg.arch)(dict(tensors), cfg)
+    params = dict(model.named_parameters())
+    if cfg.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+        tensors.pop("lm_head.weight", None)
+    _check(params, tensors)
+    model.load_state_dict({k: tensors[k].to(engine.torch_dtype) for k in params}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return LoadedModel(cfg, model.eval(), None, _fingerprint(cfg, ident, engine.dtype), ident)
 
 
 def _fingerprint(cfg: ModelConfig, ident: str, dtype: str) -> str:
@@ -115,15 +139,20 @@ def load_safetensors(model: torch.nn.Module, cfg: ModelConfig, files: list[Path]
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight", None)
         tensors.pop("lm_head.weight", None)
+    _check(params, tensors)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name].to(p.dtype))
+
+
+def _check(params: dict, tensors: dict) -> None:
     missing = sorted(set(params) - set(tensors))
     unexpected = sorted(set(tensors) - set(params))
     if missing:
         raise WeightsError(f"{len(missing)} weights missing from the checkpoint, e.g. {missing[:3]}")
     if unexpected:
         raise WeightsError(f"{len(unexpected)} checkpoint tensors match no parameter, e.g. {unexpected[:3]}")
-    with torch.no_grad():
-        for name, p in params.items():
-            t = tensors[name]
-            if tuple(t.shape) != tuple(p.shape):
-                raise WeightsError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(p.shape)}")
-            p.copy_(t.to(p.dtype))
+    for name, p in params.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(p.shape):
+            raise WeightsError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(p.shape)}")

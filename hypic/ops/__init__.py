@@ -1,7 +1,10 @@
 """Op backends behind one set of signatures (see ops/reference for the layouts).
 
     reference   pure PyTorch, any device: the ground truth
-    (fast GPU backends register here with the same signatures)
+    fast        batched kernels with the same signatures: fla-core's Triton kernels on CUDA, SDPA,
+                grouped-GEMM MoE, one varlen conv (ops/fast.py); falls back to the reference where
+                a kernel cannot run (fla on CPU)
+    auto        "fast"
 """
 
 from __future__ import annotations
@@ -25,24 +28,27 @@ class Backend:
     chunk_simple_gla: Callable
     recurrent_simple_gla: Callable
     causal_conv1d: Callable
+    causal_conv1d_varlen: Callable
     position_attention: Callable
     route: Callable
     route_grouped_sigmoid: Callable
     experts_forward: Callable
 
 
-_REGISTRY = {"reference": "hypic.ops.reference"}
+_REGISTRY = {"reference": "hypic.ops.reference", "fast": "hypic.ops.fast"}
+_ALIASES = {"auto": "fast"}
 _LOADED: dict[str, Backend] = {}
 
 
 def get_backend(name: str) -> Backend:
+    name = _ALIASES.get(name, name)
     if name not in _REGISTRY:
-        raise ConfigError(f"unknown op backend {name!r}; available: {sorted(_REGISTRY)}")
+        raise ConfigError(f"unknown op backend {name!r}; available: {sorted(_REGISTRY) + sorted(_ALIASES)}")
     if name not in _LOADED:
         m = importlib.import_module(_REGISTRY[name])
         _LOADED[name] = Backend(
             name, m.chunk_gated_delta_rule, m.recurrent_gated_delta_rule, m.chunk_kda, m.recurrent_kda, m.chunk_gla,
-            m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d,
+            m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d, m.causal_conv1d_varlen,
             m.position_attention, m.route, m.route_grouped_sigmoid, m.experts_forward,
         )
     return _LOADED[name]

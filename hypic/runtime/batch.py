@@ -61,6 +61,7 @@ class ForwardBatch:
     seqs: list[SeqWork]
     logits_index: torch.Tensor  # [M] flat rows whose logits are returned
     exact_transition: bool = True
+    walk: str = "phased"        # linear layers: "phased" (batched compose) or "rounds" (the plain walk)
     scratch: dict[str, Any] = field(default_factory=dict)   # per-forward derived tensors (RoPE tables)
 
     @property
@@ -97,7 +98,11 @@ class BatchBuilder:
                 self.ids.extend(toks)
                 self.pos.extend(range(p, p + len(toks)))
                 p += len(toks)
-                pieces.append(Run(s, len(self.ids), **flags))
+                last = pieces[-1] if pieces else None
+                if isinstance(last, Run) and not (last.summarize or last.mark) and not flags.get("summarize"):
+                    last.end, last.mark = len(self.ids), bool(flags.get("mark"))   # one run: same recurrence
+                else:
+                    pieces.append(Run(s, len(self.ids), **flags))
             elif kind == "apply":
                 entry = item[1]
                 pieces.append(Apply(entry, p))
@@ -113,6 +118,6 @@ class BatchBuilder:
         self.seqs.append(work)
         return work
 
-    def build(self, *, exact_transition: bool = True) -> ForwardBatch:
+    def build(self, *, exact_transition: bool = True, walk: str = "phased") -> ForwardBatch:
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return ForwardBatch(t(self.ids), t(self.pos), self.seqs, t(self.logits_rows), exact_transition)
+        return ForwardBatch(t(self.ids), t(self.pos), self.seqs, t(self.logits_rows), exact_transition, walk)

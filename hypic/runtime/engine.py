@@ -76,7 +76,7 @@ class Engine:
             prefix = list(ps[0].prompt.prefix)
             works.append((key, prefix, builder.add(SeqState(capacity_hint=len(prefix)),
                                                    [("run", prefix, {"mark": True})], logits="none")))
-        self.model(builder.build())
+        self.model(builder.build(walk=self.config.walk))
         for key, prefix, work in works:
             node = self._node(key, None, prefix, 0, work.pieces[0].captures)
             self.prefix.insert(node)
@@ -131,7 +131,7 @@ class Engine:
         exact = {r.policy.exact_transition for r in reqs}
         if len(exact) > 1:
             raise ValueError("naive and exact transitions cannot share a forward pass")
-        logits = self.model(builder.build(exact_transition=exact.pop()))
+        logits = self.model(builder.build(exact_transition=exact.pop(), walk=self.config.walk))
         for r, p, w in zip(reqs, plans, works):
             if p.mode is CacheMode.PREFIX:
                 self._insert_boundaries(p, w)
@@ -181,13 +181,13 @@ class Engine:
         builder = BatchBuilder(self.device)
         for r in reqs:
             builder.add(r.state, [("run", [r.output_ids[-1]])])
-        return self.model(builder.build())
+        return self.model(builder.build(walk=self.config.walk))
 
     def extend(self, r: Request, tokens: list[int]) -> torch.Tensor:
         """Teacher-force tokens after the request's prompt; fp32 logits for every one of them."""
         builder = BatchBuilder(self.device)
         builder.add(r.state, [("run", list(tokens))], logits="all")
-        return self.model(builder.build())
+        return self.model(builder.build(walk=self.config.walk))
 
     def accept(self, r: Request, logits: torch.Tensor) -> int:
         """Sample the next token of r from its logits, record it and decide whether r stops."""

@@ -29,3 +29,15 @@ def causal_conv1d(x, weight, bias=None, *, window=None, activation: str | None =
     # the new window owns its memory: it is kept in request states and prefix-cache nodes, where a
     # view would pin the whole run's inputs while the byte accounting counts only W-1 rows
     return y.transpose(1, 2).to(x.dtype), xx[:, xx.shape[1] - (w - 1):].clone()
+
+
+def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: str | None = "silu"):
+    """The runs of a varlen batch one at a time: x [n, C] back to back, windows [R, W-1, C], cu_seqlens
+    [R + 1]. Returns (y [n, C], new_windows [R, W-1, C])."""
+    cu = cu_seqlens.tolist()
+    ys, new = [], []
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        y, w = causal_conv1d(x[None, a:b], weight, bias, window=windows[i : i + 1], activation=activation)
+        ys.append(y[0])
+        new.append(w[0])
+    return torch.cat(ys, dim=0), torch.stack(new)

@@ -1,0 +1,68 @@
+"""The chain of affine maps of a request's pieces, for all requests of a batch at once.
+
+A request's linear state goes through its pieces in order; every piece is an affine map of the
+state, state <- T_j state + S_j (a cached segment, or a run's zero-start summary). The compose
+pass needs the state *before* each map (the initial state of each run) and the state after the
+last. `scan_chain` is the plain version (one compose per map); `scan_dense` folds the chains of
+dense transitions of every request in one Triton kernel on CUDA (one program per request, value
+head and block of value columns, the state block in registers, fp32 IEEE products).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .transition import Form, Transition, compose
+
+
+def scan_chain(init: torch.Tensor, maps: list, *, exact: list[bool] | None = None):
+    """init [H, K, V]; maps [(Transition, S)]. Returns (states before each map, final state)."""
+    before, state = [], init
+    for j, (t, s) in enumerate(maps):
+        before.append(state)
+        state = compose(state, t, s, exact=True if exact is None else exact[j])
+    return before, state
+
+
+def scan_dense_reference(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu: list[int]):
+    """init [R, H, K, V], T [M, H, K, K], S [M, H, K, V], cu [R + 1] (maps of request r: cu[r]..cu[r+1]).
+    Returns (before [M, H, K, V], final [R, H, K, V]), fp32."""
+    before = torch.empty_like(S, dtype=torch.float32)
+    final = torch.empty_like(init, dtype=torch.float32)
+    for r in range(len(cu) - 1):
+        state = init[r].float()
+        for j in range(cu[r], cu[r + 1]):
+            before[j] = state
+            state = T[j].float() @ state + S[j].float()
+        final[r] = state
+    return before, final
+
+
+def scan_dense(init, T, S, cu: list[int]):
+    """The same on CUDA in one kernel launch (the reference elsewhere)."""
+    if not init.is_cuda or _kernel() is None:
+        return scan_dense_reference(init, T, S, cu)
+    return _kernel()(init, T, S, cu)
+
+
+_KERNEL = None
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is None:
+        try:
+            from ..ops import triton_scan
+        except Exception:  # no triton on this machine
+            _KERNEL = False
+        else:
+            _KERNEL = triton_scan.scan_dense
+    return _KERNEL or None
+
+
+def stack_dense(maps: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(Transition dense, S)] -> (T [M, H, K, K], S [M, H, K, V]) fp32, one copy each."""
+    return torch.stack([t.t.float() for t, _ in maps]), torch.stack([s.float() for _, s in maps])
+
+
+__all__ = ["scan_chain", "scan_dense", "scan_dense_reference", "stack_dense", "Form", "Transition"]

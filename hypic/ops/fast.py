@@ -1,0 +1,158 @@
+"""The fast op backend: the reference signatures (ops/reference) on batched kernels.
+
+    gated delta rule   fla-core's Triton kernels (chunk for prefill, fused recurrent for decode)
+                       when the tensors are on CUDA and fla imports; the reference otherwise
+    short conv         one depthwise conv over all runs of a varlen batch (any device)
+    attention          PyTorch SDPA: flash (causal) when the keys are exactly the queries' tokens,
+                       else memory-efficient with a position mask, GQA folded into the query axis
+    MoE experts        two grouped GEMMs (torch._grouped_mm) over tokens sorted by expert
+KDA, GLA and simple GLA stay on the reference ops here (their fla kernels are not wired yet).
+
+Every function here has a test against its reference twin (tests/test_fast_ops.py on CPU,
+scripts/gpu_check.py on the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import reference as ref
+from .reference import (  # noqa: F401  (re-exported: same names as the reference backend)
+    chunk_gla, chunk_kda, chunk_simple_gla, recurrent_gla, recurrent_kda, recurrent_simple_gla, route,
+    route_grouped_sigmoid,
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _fla():
+    """fla-core's gated delta rule kernels, or None where fla is missing (CPU machines)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception:  # ImportError, or triton missing / broken on this machine
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def fla_available() -> bool:
+    return _fla() is not None
+
+
+def _cu(cu_seqlens, device):
+    if cu_seqlens is None:
+        return None, None
+    return cu_seqlens.to(device, non_blocking=True), cu_seqlens.cpu()
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    kern = _fla() if q.is_cuda else None
+    if kern is None:
+        return ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    cu, cu_cpu = _cu(cu_seqlens, q.device)
+    init = None if initial_state is None else initial_state.float().contiguous()
+    o, final = kern[0](q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=init,
+                       output_final_state=output_final_state, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o.to(v.dtype), final
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    kern = _fla() if q.is_cuda else None
+    if kern is None:
+        return ref.recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    cu, _ = _cu(cu_seqlens, q.device)
+    init = None if initial_state is None else initial_state.float().contiguous()
+    o, final = kern[1](q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=init,
+                       output_final_state=output_final_state, cu_seqlens=cu,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o.to(v.dtype), final
+
+
+def causal_conv1d(x, weight, bias=None, *, window=None, activation: str | None = "silu"):
+    return ref.causal_conv1d(x, weight, bias, window=window, activation=activation)
+
+
+def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: str | None = "silu"):
+    """All runs of a varlen batch in one depthwise conv.
+
+    x [n, C] runs back to back, windows [R, W-1, C] the raw inputs before each run, cu_seqlens [R + 1]
+    (CPU). Each run is laid out after its window in one buffer xx; a valid conv over xx gives every
+    output, and the new windows are the last W-1 rows of each (window, run) block.
+    Returns (y [n, C] in x's dtype, new_windows [R, W-1, C])."""
+    n, c = x.shape
+    wm1 = weight.shape[-1] - 1
+    cu = cu_seqlens.tolist()
+    r = len(cu) - 1
+    lens = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])])
+    run_of = torch.repeat_interleave(torch.arange(r), lens)                       # run index of each row
+    x_rows = torch.arange(n) + wm1 * (run_of + 1)                                  # row of x[i] in xx
+    blocks = torch.tensor(cu[1:]) + wm1 * torch.arange(1, r + 1)                   # end of each block in xx
+    w_rows = (blocks - lens - wm1)[:, None] + torch.arange(wm1)[None]              # rows of each window
+    xx = x.new_empty(n + r * wm1, c)
+    dev = x.device
+    xx[x_rows.to(dev)] = x
+    xx[w_rows.reshape(-1).to(dev)] = windows.reshape(-1, c).to(x.dtype)
+    y = F.conv1d(xx.t()[None].to(weight.dtype), weight[:, None], bias, groups=c)[0].t()   # [n + r*wm1 - wm1, C]
+    y = y[(x_rows - wm1).to(dev)]
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    new_windows = xx[((blocks - wm1)[:, None] + torch.arange(wm1)[None]).reshape(-1).to(dev)].view(r, wm1, c)
+    return y.to(x.dtype), new_windows
+
+
+# -- attention -------------------------------------------------------------------------------------------
+_MASK_BYTES = 1 << 28          # the largest [queries, keys] mask one SDPA call materialises
+
+
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False):
+    """SDPA behind the reference signature. contiguous: the keys are exactly the queries' tokens, both
+    in position order (a fresh sequence): plain causal attention, which the flash kernel serves."""
+    nq, h, d = q.shape
+    nk, hkv, dv = v.shape
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
+    rep = h // hkv
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                  # [1, Hkv, Nk, D]
+    if contiguous and nq == nk:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, is_causal=True, scale=scale,
+                                           enable_gqa=rep > 1)
+        return o[0].transpose(0, 1)
+    # GQA folded into the query axis: [Hkv, rep * Nq, D] against [Hkv, Nk, D], one mask row per query
+    qf = q.view(nq, hkv, rep, d).permute(1, 2, 0, 3)                             # [Hkv, rep, Nq, D]
+    out = q.new_empty(hkv, rep, nq, dv)
+    step = max(1, _MASK_BYTES // max(1, rep * nk))
+    for a in range(0, nq, step):
+        b = min(nq, a + step)
+        mask = (k_pos[None, :] <= q_pos[a:b, None])                              # [m, Nk]
+        m = b - a
+        qq = qf[:, :, a:b].reshape(1, hkv, rep * m, d)
+        o = F.scaled_dot_product_attention(qq, kt, vt, attn_mask=mask.repeat(rep, 1)[None, None], scale=scale)
+        out[:, :, a:b] = o[0].view(hkv, rep, m, dv)
+    return out.permute(2, 0, 1, 3).reshape(nq, h, dv)
+
+
+# -- MoE -------------------------------------------------------------------------------------------------
+def experts_forward(x, weights, experts, gate_up, down):
+    """Tokens sorted by expert, two grouped GEMMs, and a deterministic fp32 combine (no atomics)."""
+    if x.dtype == torch.float64 or (x.is_cuda and x.dtype != torch.bfloat16):   # grouped GEMM: bf16 on CUDA
+        return ref.experts_forward(x, weights, experts, gate_up, down)
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
+    xs = x[order // k]
+    gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)     # [n*k, H]
+    y = torch.empty_like(ys)
+    y[order] = ys
+    return (y.view(n, k, -1).float() * weights.float()[..., None]).sum(1).to(x.dtype)

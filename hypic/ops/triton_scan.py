@@ -1,0 +1,60 @@
+"""Triton kernel: the chains of dense affine maps of many requests in one launch (CUDA only).
+
+Program (request r, value head h, value block b) holds its state block X [K, BV] (fp32) and walks
+the request's maps j = cu[r] .. cu[r+1]-1: it writes X to before[j], then X <- T_j X + S_j, with
+IEEE fp32 products (tf32 would cost ~3e-4 relative per map, and chains compound it). The state
+never leaves registers between maps; T_j is read once per value block.
+
+Imported lazily (compose/scan.py): importing it needs triton, which CPU machines may lack.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scan_kernel(init, T, S, before, final, cu, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    m_kv = mk[:, None] & mv[None, :]
+    m_kk = mk[:, None] & mk[None, :]
+    off_kv = rk[:, None] * V + rv[None, :]
+    off_kk = rk[:, None] * K + rk[None, :]
+    x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
+    j0 = tl.load(cu + r)
+    j1 = tl.load(cu + r + 1)
+    j = j0
+    while j < j1:
+        base_kv = (j * H + h).to(tl.int64) * K * V
+        tl.store(before + base_kv + off_kv, x, mask=m_kv)
+        t = tl.load(T + (j * H + h).to(tl.int64) * K * K + off_kk, mask=m_kk, other=0.0)
+        s = tl.load(S + base_kv + off_kv, mask=m_kv, other=0.0)
+        x = tl.dot(t, x, input_precision="ieee") + s
+        j += 1
+    tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
+
+
+def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu: list[int]):
+    """init [R, H, K, V], T [M, H, K, K], S [M, H, K, V] (fp32), cu [R + 1] -> (before [M, H, K, V], final)."""
+    r, h, k, v = init.shape
+    init, T, S = init.float().contiguous(), T.float().contiguous(), S.float().contiguous()
+    before = torch.empty_like(S)
+    final = torch.empty_like(init)
+    if T.shape[0] == 0:
+        final.copy_(init)
+        return before, final
+    bk = max(16, triton.next_power_of_2(k))
+    bv = 32 if bk >= 128 else 64
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=init.device)
+    grid = (r, h, triton.cdiv(v, bv))
+    _scan_kernel[grid](init, T, S, before, final, cu_t, H=h, K=k, V=v, BK=bk, BV=bv, num_warps=8 if bk >= 128 else 4)
+    return before, final

@@ -1,0 +1,136 @@
+"""The fast backend and the phased compose walk against their plain twins (CPU, fp32 / fp64).
+
+The fast ops that run on any device (varlen conv, SDPA attention, grouped-GEMM MoE, the dense
+chain scan's reference) are compared with the reference ops on random inputs; the phased walk
+(batched compose pass) with the rounds walk on whole PIC requests of every architecture. fla's
+kernels and the Triton scan need CUDA: scripts/gpu_check.py checks them on the GPU.
+
+Tolerances: fp64 results agree to ~1e-12 (only the summation order differs): 1e-9 is asserted,
+except attention, whose reference takes the softmax in fp32 (~1e-7 observed): 1e-6.
+fp32 whole-model logits agree to ~1e-6; 1e-4 as in tests/test_invariants.py.
+"""
+
+import pytest
+import torch
+
+from hypic import LLM, Prompt, SamplingParams
+from hypic.compose.scan import scan_chain, scan_dense, scan_dense_reference
+from hypic.compose.transition import Form, Transition
+from hypic.ops import fast, get_backend, reference as ref
+from .conftest import rand_ids
+
+D = torch.float64
+
+
+def _rand(*shape, g):
+    return torch.randn(*shape, generator=g, dtype=D)
+
+
+@pytest.mark.parametrize("lens", [[5], [1, 2, 9, 3], [2, 2, 2], [40, 1, 17]])
+@pytest.mark.parametrize("width", [2, 4])
+def test_conv_varlen_equals_reference(lens, width):
+    g = torch.Generator().manual_seed(sum(lens) + width)
+    c, n = 6, sum(lens)
+    x, w, b = _rand(n, c, g=g), _rand(c, width, g=g), _rand(c, g=g)
+    windows = _rand(len(lens), width - 1, c, g=g)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    for act in ("silu", None):
+        y0, w0 = ref.causal_conv1d_varlen(x, w, b, windows, cu, activation=act)
+        y1, w1 = fast.causal_conv1d_varlen(x, w, b, windows, cu, activation=act)
+        torch.testing.assert_close(y1, y0, atol=1e-9, rtol=0)
+        torch.testing.assert_close(w1, w0, atol=0, rtol=0)
+    # the new windows of runs shorter than W-1 keep part of the old window
+    assert torch.equal(w0[0, -1], x[lens[0] - 1])
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2), (6, 1)])
+def test_attention_equals_reference(h, hkv, monkeypatch):
+    g = torch.Generator().manual_seed(h * 10 + hkv)
+    d = 8
+    # a fresh sequence: keys are the queries' tokens (the flash / causal path)
+    n = 37
+    q, k, v = _rand(n, h, d, g=g), _rand(n, hkv, d, g=g), _rand(n, hkv, d, g=g)
+    pos = torch.arange(n)
+    o0 = ref.position_attention(q, k, v, pos, pos, scale=0.3)
+    o1 = fast.position_attention(q, k, v, pos, pos, scale=0.3, contiguous=True)
+    torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)
+    # queries scattered among placed keys (seams and a query after cached segments), chunked masks
+    nk = 90
+    k, v = _rand(nk, hkv, d, g=g), _rand(nk, hkv, d, g=g)
+    k_pos = torch.arange(nk)
+    q_pos = torch.tensor([3, 4, 5, 40, 41, 70, 71, 72, 88, 89])
+    q = _rand(len(q_pos), h, d, g=g)
+    o0 = ref.position_attention(q, k, v, q_pos, k_pos, scale=0.3)
+    for mask_bytes in (1 << 28, 7 * (h // hkv) * nk):                  # one call; several query chunks
+        monkeypatch.setattr(fast, "_MASK_BYTES", mask_bytes)
+        o1 = fast.position_attention(q, k, v, q_pos, k_pos, scale=0.3)
+        torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_reference(dtype):
+    """Relative error ||fast - ref|| / ||ref||: fp32, summation order only (~1e-7; 1e-5 asserted);
+    bf16, the reference rounds each expert's weighted output to bf16 before adding, the fast path
+    sums in fp32: a few bf16 ulps (eps 2^-8 = 3.9e-3; 1e-2 asserted)."""
+    g = torch.Generator().manual_seed(3)
+    n, hd, i, e, k = 23, 16, 8, 6, 2
+    x = torch.randn(n, hd, generator=g).to(dtype)
+    router = torch.randn(e, hd, generator=g).to(dtype)
+    gate_up, down = torch.randn(e, 2 * i, hd, generator=g).to(dtype), torch.randn(e, hd, i, generator=g).to(dtype)
+    weights, experts = ref.route(x, router, k, True)
+    experts[0] = torch.tensor([5, 5 - 1])                               # experts with no token stay empty
+    y0 = ref.experts_forward(x, weights, experts, gate_up, down)
+    y1 = fast.experts_forward(x, weights, experts, gate_up, down)
+    err = (y1.float() - y0.float()).norm() / y0.float().norm()
+    assert err < (1e-5 if dtype is torch.float32 else 1e-2), err
+
+
+def test_dense_scan_equals_chain():
+    g = torch.Generator().manual_seed(5)
+    h, k, v, cu = 3, 5, 4, [0, 3, 3, 7]
+    init = _rand(len(cu) - 1, h, k, v, g=g)
+    T, S = _rand(cu[-1], h, k, k, g=g) / 3, _rand(cu[-1], h, k, v, g=g)
+    before, final = scan_dense(init, T, S, cu)                            # on CPU: the reference
+    b0, f0 = scan_dense_reference(init, T, S, cu)
+    assert torch.equal(before, b0) and torch.equal(final, f0)
+    for r in range(len(cu) - 1):
+        maps = [(Transition(Form.DENSE, T[j]), S[j]) for j in range(cu[r], cu[r + 1])]
+        bb, ff = scan_chain(init[r], maps)
+        torch.testing.assert_close(final[r], ff.float(), atol=1e-6, rtol=0)
+        for j, st in zip(range(cu[r], cu[r + 1]), bb):
+            torch.testing.assert_close(before[j], st.float(), atol=1e-6, rtol=0)
+
+
+def test_backend_names():
+    assert get_backend("auto") is get_backend("fast")
+    assert get_backend("reference").name == "reference"
+
+
+def _requests(seed):
+    segs = [rand_ids(n, seed + i) for i, n in enumerate((2, 3, 40, 130, 5, 40))]
+    return [Prompt(prefix=rand_ids(12, seed + 50), segments=segs + [segs[2]], query=rand_ids(6, seed + 60)),
+            Prompt(segments=segs[::-1], query=rand_ids(3, seed + 70)),
+            Prompt(segments=[segs[1], segs[0], segs[1]], query=rand_ids(4, seed + 80))]
+
+
+@pytest.mark.parametrize("mode", ["pic", "naive"])
+def test_phased_walk_equals_rounds(hf_checkpoints, arch, mode):
+    """The batched compose pass (3 phases) == the plain walk, prefill and decode, several requests in
+    one batch, short segments (conv windows spanning several pieces), repeated segments."""
+    path = hf_checkpoints[arch][1]
+    outs = {}
+    for walk in ("rounds", "phased"):
+        llm = LLM(str(path), cache_mode=mode, seam=4, walk=walk)
+        outs[walk] = llm.generate(_requests(1), SamplingParams(max_tokens=4, return_logits=True, ignore_eos=True))
+    for a, b in zip(outs["rounds"], outs["phased"]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
+
+
+def test_reference_backend_equals_fast(hf_checkpoints):
+    path = hf_checkpoints["qwen3_5_moe"][1] if "qwen3_5_moe" in hf_checkpoints else next(iter(hf_checkpoints.values()))[1]
+    outs = [LLM(str(path), backend=b).generate(_requests(2), SamplingParams(max_tokens=3, return_logits=True))
+            for b in ("reference", "fast")]
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
