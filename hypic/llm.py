@@ -30,6 +30,16 @@ class LLM:
         self.engine = Engine(load_model(model, self.config), self.config)
         self._n = 0
 
+    @classmethod
+    def from_loaded(cls, loaded, config: EngineConfig) -> "LLM":
+        """An LLM over an already built model (hypic.models.loader.from_tensors), e.g. weights shared
+        with a transformers model in a side-by-side benchmark."""
+        self = cls.__new__(cls)
+        self.config = config
+        self.engine = Engine(loaded, config)
+        self._n = 0
+        return self
+
     # -- properties -----------------------------------------------------------------------------
     @property
     def tokenizer(self):

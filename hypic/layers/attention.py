@@ -66,21 +66,30 @@ class AttentionMixer(nn.Module):
             buf = seq.state.layers.get(L)
             if buf is None:
                 buf = seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)
+            fresh = buf.n == 0
+            applies = [p for p in seq.pieces if isinstance(p, Apply)]
+            if applies:                       # every cached segment placed with one RoPE call
+                kvs = [p.entry.layers[L] for p in applies]
+                pos = torch.cat([torch.arange(p.position, p.position + kv.k.shape[0]) for p, kv in zip(applies, kvs)])
+                pos = pos.to(x.device, non_blocking=True)
+                kk = kvs[0].k if len(kvs) == 1 else torch.cat([kv.k for kv in kvs])
+                vv = kvs[0].v if len(kvs) == 1 else torch.cat([kv.v for kv in kvs])
+                buf.append(self.place_keys(kk.to(x.dtype), pos, None), vv.to(x.dtype), pos)
+            sl = slice(seq.start, seq.end)
+            if seq.end > seq.start:           # the active tokens: the runs back to back
+                buf.append(k[sl], v[sl], batch.positions[sl])
             for piece in seq.pieces:
                 if isinstance(piece, Apply):
-                    kv = piece.entry.layers[L]
-                    pos = torch.arange(piece.position, piece.position + kv.k.shape[0], device=x.device)
-                    buf.append(self.place_keys(kv.k.to(x.dtype), pos, None), kv.v.to(x.dtype), pos)
                     continue
-                sl = slice(piece.start, piece.end)
-                buf.append(k[sl], v[sl], batch.positions[sl])
+                r = slice(piece.start, piece.end)
                 if piece.summarize:
-                    piece.captures[L] = AttnKV(k_raw[sl].clone(), v[sl].clone())
+                    piece.captures[L] = AttnKV(k_raw[r].clone(), v[r].clone())
                 if piece.mark:
-                    piece.captures[L] = KVSpan(k[sl].clone(), v[sl].clone(), batch.positions[sl].clone())
+                    piece.captures[L] = KVSpan(k[r].clone(), v[r].clone(), batch.positions[r].clone())
+            if seq.end == seq.start:
+                continue
             kk, vv, pp = buf.view()
-            sl = slice(seq.start, seq.end)
-            o = self.attend(q[sl], kk, vv, batch.positions[sl], pp)
+            o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=fresh and not applies)
             if out is None:
                 out = o.new_empty((n,) + tuple(o.shape[1:]))
             out[sl] = o
@@ -88,8 +97,9 @@ class AttentionMixer(nn.Module):
             return torch.zeros_like(x)
         return self.output(x, out, extra)
 
-    def attend(self, q, k, v, q_pos, k_pos):
-        return self.ops.position_attention(q, k, v, q_pos, k_pos, scale=self.scale)
+    def attend(self, q, k, v, q_pos, k_pos, contiguous: bool = False):
+        """contiguous: k, v are exactly q's tokens in position order (a fresh sequence, no placed keys)."""
+        return self.ops.position_attention(q, k, v, q_pos, k_pos, scale=self.scale, contiguous=contiguous)
 
 
 class RopeAttention(AttentionMixer):

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call: install the carried fla-core wheel, then run what the arguments name.
+#   bash benchmarks/device_run.sh check          GPU correctness (benchmarks/gpu_check.py)
+#   bash benchmarks/device_run.sh bench [ARGS]   the 35B benchmark (benchmarks/gpu_bench.py ARGS)
+# Logs and JSON go to $OUT (the device tool brings them back) and benchmarks/results/.
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+what=$1; shift
+case $what in
+  check) python3 benchmarks/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log" ;;
+  bench) python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log" ;;
+  both) python3 benchmarks/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log";
+        python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log" ;;
+esac

@@ -1,0 +1,279 @@
+"""The headline GPU benchmark (issue 3), one device call: Qwen3.5-35B-A3B architecture, dummy bf16
+weights normal(0, 0.02), one H200.
+
+    python benchmarks/gpu_bench.py [--sizes 8192,32768] [--segments 20] [--seg-len 1600] [--query 64]
+
+1. full prefill of one request at each size: transformers' own Qwen3_5MoeForCausalLM (sdpa attention,
+   grouped_mm experts, fla kernels) vs hypic `full`, the same weight tensors (hypic's model is built
+   on transformers' state dict without copies, after transformers is timed);
+2. a RAG request, 20 x 1,600-token segments + a 64-token query, warm caches, the segments in a new
+   order: TTFT of `pic` (seam 8), `prefix` (the first segment kept first, the rest reordered) and
+   `full`;
+3. the cost of building (T, S) in an isolated segment prefill (summarized run vs plain run), 512 /
+   2k / 8k tokens;
+4. a roofline floor for the warm `pic` request: bytes that must be read once (weights, cache
+   entries) over the measured copy bandwidth, FLOPs of the active tokens over the measured bf16
+   matmul rate; the larger is the floor.
+Timings: CUDA-synchronised wall clock around the whole call, median of --reps after a warm-up.
+Prints a table, writes benchmarks/results/gpu_bench.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hypic import LLM, Prompt, SamplingParams  # noqa: E402
+from hypic.config import EngineConfig, ModelConfig  # noqa: E402
+from hypic.models.loader import from_tensors  # noqa: E402
+from hypic.models.presets import preset_config  # noqa: E402
+from hypic.runtime.batch import BatchBuilder  # noqa: E402
+from hypic.runtime.state import SeqState  # noqa: E402
+
+
+DEV = "cuda"
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int, warm: int = 1):
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
+
+
+def ceilings():
+    big = DEV == "cuda"
+    x = torch.empty(1 << (30 if big else 22), dtype=torch.float32, device=DEV).normal_()
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() * 4 / timed(lambda: y.copy_(x), 10, 3)[0]
+    del x, y
+    m = 8192 if big else 512
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=DEV)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=DEV)
+    rate = 2 * m ** 3 / timed(lambda: a @ b, 10, 3)[0]
+    return bw, rate
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="8192,32768")
+    ap.add_argument("--segments", type=int, default=20)
+    ap.add_argument("--seg-len", type=int, default=1600)
+    ap.add_argument("--query", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers (a quick run); 0: the real 40")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--preset", default="qwen3.5-35b-a3b")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a tiny preset")
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    sizes = [int(s) for s in args.sizes.split(",")]
+    res = dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__,
+               device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+               model=f"{args.preset} (dummy bf16 weights, normal(0, 0.02))")
+    bw, rate = ceilings()
+    res["ceilings"] = dict(copy_bytes_per_s=bw, bf16_flops_per_s=rate)
+    print(f"copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+
+    raw = preset_config(args.preset)
+    if args.layers:
+        raw = dict(raw, num_hidden_layers=args.layers)
+    cfg = ModelConfig.from_dict(raw)
+    vocab = cfg.vocab_size
+    rng = random.Random(0)
+    lo, hi = (1000, vocab - 1000) if vocab > 4000 else (3, vocab - 1)
+    ids = lambda n: [rng.randrange(lo, hi) for _ in range(n)]  # noqa: E731
+    full_ids = {n: ids(n) for n in sizes}
+
+    # -- transformers, the peer --------------------------------------------------------------------------
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    hf_cfg = cfg.hf_config()
+    t0 = time.perf_counter()
+    with torch.device(DEV):
+        moe = {"experts_implementation": "grouped_mm"} if getattr(hf_cfg, "num_experts", 0) else {}
+        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa", **moe)
+    hf.eval()
+    print(f"transformers {transformers.__version__} {type(hf).__name__} built in {time.perf_counter() - t0:.1f} s; "
+          f"params {sum(p.numel() for p in hf.parameters()) / 1e9:.2f} B", flush=True)
+    sd = hf.state_dict()
+    stds = {k: float(sd[k].float().std()) for k in list(sd)[:4] if sd[k].dim() >= 2}
+    print("init check (std of a few matrices):", stds, flush=True)
+    res["hf"] = dict(version=transformers.__version__, cls=type(hf).__name__, init_std=stds)
+    hf_times = {}
+    if not args.skip_hf:
+        for n in sizes:
+            x = torch.tensor([full_ids[n]], device=DEV)
+            with torch.inference_mode():
+                med, all_ = timed(lambda: hf(input_ids=x, use_cache=False, logits_to_keep=1), args.reps)
+                hf_last = hf(input_ids=x, use_cache=False, logits_to_keep=1).logits[0, -1].float().cpu()
+            hf_times[n] = dict(median_s=med, all_s=all_, last_logits=hf_last)
+            print(f"transformers full prefill {n}: {med * 1e3:.0f} ms", flush=True)
+            (torch.cuda.empty_cache() if DEV == 'cuda' else None)
+
+    # -- hypic on the same tensors -----------------------------------------------------------------------
+    econf = EngineConfig(device=DEV, dtype="bfloat16", segment_cache_bytes=16 << 30, prefix_cache_bytes=16 << 30)
+    loaded = from_tensors(cfg, sd, econf, "hf-dummy-seed0")
+    del hf, sd
+    (torch.cuda.empty_cache() if DEV == 'cuda' else None)
+    llm = LLM.from_loaded(loaded, econf)
+    if DEV == "cuda":
+        print(f"hypic model on the same weights; GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def ttft(prompt):
+        sync()
+        t0 = time.perf_counter()
+        o = llm.generate([prompt], one)[0]
+        sync()
+        return time.perf_counter() - t0, o
+
+    res["full_prefill"] = {}
+    llm.set_policy("full", 0)
+    for n in sizes:
+        p = Prompt(query=full_ids[n])
+        med, all_ = timed(lambda: ttft(p), args.reps)
+        ours = llm.next_token_logits(p).float().cpu()
+        entry = dict(hypic_s=med, hypic_all_s=all_)
+        if n in hf_times:
+            h = hf_times[n]
+            entry.update(transformers_s=h["median_s"], transformers_all_s=h["all_s"], speedup=h["median_s"] / med,
+                         last_logits_rel_diff=float((ours - h["last_logits"]).norm() / h["last_logits"].norm()))
+        res["full_prefill"][n] = entry
+        print(f"hypic full prefill {n}: {med * 1e3:.0f} ms  {entry}", flush=True)
+        (torch.cuda.empty_cache() if DEV == 'cuda' else None)
+
+    # -- the RAG request --------------------------------------------------------------------------------
+    segs = [ids(args.seg_len) for _ in range(args.segments)]
+    query = ids(args.query)
+    order_a = list(range(args.segments))
+    rag = {}
+    llm.set_policy("pic", 8)
+    t_cold, o = ttft(Prompt(segments=[segs[i] for i in order_a], query=query))
+    rag["pic_cold_s"] = t_cold
+    print(f"pic cold (isolated prefill of {args.segments} segments + compose): {t_cold * 1e3:.0f} ms", flush=True)
+    warm_ts, counts = [], None
+    for r in range(args.reps + 2):
+        order = order_a[:]
+        random.Random(r + 1).shuffle(order)
+        dt, o = ttft(Prompt(segments=[segs[i] for i in order], query=query))
+        warm_ts.append(dt)
+        counts = dict(composed=o.composed_tokens, recomputed=o.recomputed_tokens, cold=o.cold_prefill_tokens)
+    rag["pic_warm_s"] = statistics.median(warm_ts[1:])
+    rag["pic_warm_all_s"] = warm_ts
+    rag["pic_counts"] = counts
+    print(f"pic warm TTFT: {rag['pic_warm_s'] * 1e3:.1f} ms {counts}", flush=True)
+    llm.set_policy("prefix", 0)
+    ttft(Prompt(segments=[segs[i] for i in order_a], query=query))          # populate the prefix cache
+    pre_ts = []
+    for r in range(args.reps):
+        order = [0] + random.Random(100 + r).sample(order_a[1:], args.segments - 1)
+        dt, o = ttft(Prompt(segments=[segs[i] for i in order], query=query))
+        pre_ts.append(dt)
+        rag["prefix_counts"] = dict(prefix=o.prefix_tokens, recomputed=o.recomputed_tokens)
+    rag["prefix_s"] = statistics.median(pre_ts)
+    print(f"prefix TTFT: {rag['prefix_s'] * 1e3:.0f} ms {rag['prefix_counts']}", flush=True)
+    llm.set_policy("full", 0)
+    p_full = Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)
+    rag["full_s"] = timed(lambda: ttft(p_full), args.reps)[0]
+    print(f"full TTFT: {rag['full_s'] * 1e3:.0f} ms", flush=True)
+    rag["pic_vs_full"] = rag["full_s"] / rag["pic_warm_s"]
+    rag["pic_vs_prefix"] = rag["prefix_s"] / rag["pic_warm_s"]
+
+    # roofline floor of the warm pic request
+    model = llm.engine.model
+    p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    n_all = sum(p.numel() for p in model.parameters())
+    n_embed = model.model.embed_tokens.weight.numel()
+    active_per_token = (n_all - n_expert - n_embed) + n_expert * cfg.params.num_experts_per_tok / cfg.params.num_experts
+    stats = llm.cache_stats()["segments"]
+    entry_bytes = stats.get("bytes", 0)
+    active = counts["recomputed"]
+    ctx = args.segments * args.seg_len + args.query
+    p = cfg.params
+    n_attn = sum(1 for t in cfg.layer_types if t == "full_attention")
+    n_lin = cfg.num_layers - n_attn
+    attn_flops = n_attn * 4 * active * ctx * p.num_attention_heads * p.head_dim
+    compose_flops = n_lin * args.segments * 2 * p.linear_num_value_heads * p.linear_key_head_dim ** 2 * (
+        p.linear_value_head_dim + p.linear_key_head_dim)
+    flops = 2 * active_per_token * active + attn_flops + compose_flops
+    read = p_bytes + entry_bytes
+    floor = max(read / bw, flops / rate)
+    rag["roofline"] = dict(weight_bytes=p_bytes, entry_bytes=entry_bytes, flops=flops, active_tokens=active,
+                           bytes_s=read / bw, flops_s=flops / rate, floor_s=floor,
+                           measured_over_floor=rag["pic_warm_s"] / floor)
+    print(f"roofline: read {read / 1e9:.1f} GB -> {read / bw * 1e3:.1f} ms, {flops / 1e12:.2f} TFLOP -> "
+          f"{flops / rate * 1e3:.2f} ms; floor {floor * 1e3:.1f} ms; measured/floor {rag['pic_warm_s'] / floor:.2f}",
+          flush=True)
+    res["rag"] = rag
+    llm.clear_cache()
+    (torch.cuda.empty_cache() if DEV == 'cuda' else None)
+
+    # -- the cost of (T, S) in an isolated segment prefill ------------------------------------------------
+    over = {}
+    for n in ((512, 2048, 8192) if DEV == "cuda" else (64, 128)):
+        toks = ids(n)
+
+        def run(summarize: bool):
+            b = BatchBuilder(DEV)
+            items = ([("run", toks[:8]), ("run", toks[8:], {"summarize": True})] if summarize else [("run", toks)])
+            b.add(SeqState(capacity_hint=n), items, logits="none")
+            model(b.build())
+
+        plain = timed(lambda: run(False), args.reps + 2)[0]
+        summ = timed(lambda: run(True), args.reps + 2)[0]
+        over[n] = dict(plain_s=plain, summarized_s=summ, overhead=summ / plain - 1)
+        print(f"(T, S) overhead at {n}: plain {plain * 1e3:.1f} ms, with summaries {summ * 1e3:.1f} ms -> "
+              f"{(summ / plain - 1) * 100:.1f}%", flush=True)
+    res["ts_overhead"] = over
+
+    # -- table -----------------------------------------------------------------------------------------
+    print("\n| measurement | hypic | peer | ratio | bar |")
+    print("|---|---|---|---|---|")
+    for n, e in res["full_prefill"].items():
+        if "transformers_s" in e:
+            print(f"| full prefill {n} tokens | {e['hypic_s'] * 1e3:.0f} ms | transformers {e['transformers_s'] * 1e3:.0f} ms "
+                  f"| {e['speedup']:.2f}x | >= 1.5x at 32k |")
+    print(f"| RAG warm TTFT pic (seam 8) | {rag['pic_warm_s'] * 1e3:.1f} ms | full {rag['full_s'] * 1e3:.0f} ms | "
+          f"{rag['pic_vs_full']:.1f}x | >= 20x |")
+    print(f"| RAG warm TTFT pic vs prefix | {rag['pic_warm_s'] * 1e3:.1f} ms | prefix {rag['prefix_s'] * 1e3:.0f} ms | "
+          f"{rag['pic_vs_prefix']:.1f}x | |")
+    print(f"| pic vs roofline floor | {rag['pic_warm_s'] * 1e3:.1f} ms | floor {floor * 1e3:.1f} ms | "
+          f"{rag['pic_warm_s'] / floor:.2f}x | <= 3x |")
+    for n, e in over.items():
+        print(f"| (T, S) overhead, {n}-token segment | {e['summarized_s'] * 1e3:.1f} ms | plain {e['plain_s'] * 1e3:.1f} ms "
+              f"| {e['overhead'] * 100:.1f}% | <= 5% |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for e in res["full_prefill"].values():
+        e.pop("last_logits", None)
+    (out / "gpu_bench.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""GPU correctness in one device call: every fast op against its reference, the dense chain kernel,
+composed vs sequential linear state at Qwen3.5-35B-A3B layer shapes, and the invariants of
+hypic.md section 3 on a whole model in bf16 on CUDA against the fp32 CPU reference.
+
+    python benchmarks/gpu_check.py [--out DIR]        (CUDA + fla-core; prints a table, writes JSON)
+
+Errors are ||x - ref|| / ||ref|| (relative Frobenius). Bounds, from the precision of the inputs:
+bf16 operands round at 2^-9 relative (~2e-3), and a product of n rounded terms drifts ~sqrt(n) of
+that, so bf16 kernels against an fp32 reference are bounded at 2e-2 (METHOD.md's 1e-3..1e-2 band,
+with a margin for 32k-token recurrences); fp32 kernels (the chain scan) at 1e-5; whole-model bf16
+logits against the fp32 CPU model at 5e-2 (40 layers of bf16 activations); naive addition must
+err at least 5x more than PIC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hypic.ops import fast, reference as ref  # noqa: E402
+
+ROWS: list[dict] = []
+
+
+def rel(x, y) -> float:
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm().clamp_min(1e-30))
+
+
+def row(name, err, bound, **kw):
+    ok = err == err and err <= bound                      # NaN never passes
+    ROWS.append(dict(check=name, rel_err=err, bound=bound, ok=ok, **kw))
+    print(f"{'ok ' if ok else 'FAIL'} {name:58s} {err:.3e}  (bound {bound:.0e}) {kw if kw else ''}", flush=True)
+
+
+def ceilings(dev):
+    x = torch.empty(1 << 30, dtype=torch.float32, device=dev).normal_()     # 4 GiB
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+    e0.record()
+    for _ in range(10):
+        y.copy_(x)
+    e1.record()
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 4 * 10 / (e0.elapsed_time(e1) / 1e3)
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    e0.record()
+    for _ in range(10):
+        a @ b
+    e1.record()
+    torch.cuda.synchronize()
+    rate = 2 * 8192 ** 3 * 10 / (e0.elapsed_time(e1) / 1e3)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    return dict(copy_bytes_per_s=bw, bf16_flops_per_s=rate)
+
+
+def gdn_inputs(lens, h=16, hv=32, dk=128, dv=128, dev="cuda", seed=0, decay=(0.9, 0.999)):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    n = sum(lens)
+    q = torch.randn(1, n, h, dk, device=dev, generator=g).bfloat16()
+    k = torch.randn(1, n, h, dk, device=dev, generator=g).bfloat16()
+    v = torch.randn(1, n, hv, dv, device=dev, generator=g).bfloat16()
+    lo, hi = decay
+    gate = torch.empty(1, n, hv, device=dev).uniform_(lo, hi, generator=g).log()
+    beta = torch.rand(1, n, hv, device=dev, generator=g).bfloat16()
+    cu = torch.tensor([0] + list(lens)).cumsum(0)
+    init = torch.randn(len(lens), hv, dk, dv, device=dev, generator=g) * 0.1
+    return q, k, v, gate, beta, cu, init
+
+
+def check_ops(dev):
+    from hypic.compose.transition import augment, split_augmented
+
+    lens = [1, 7, 64, 300, 1600]
+    q, k, v, gate, beta, cu, init = gdn_inputs(lens, dev=dev)
+    kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    o0, s0 = ref.chunk_gated_delta_rule(q.float(), k.float(), v.float(), initial_state=init, **kw)
+    o1, s1 = fast.chunk_gated_delta_rule(q, k, v, initial_state=init, **kw)
+    row("fla chunk GDN varlen: outputs", rel(o1, o0), 2e-2)
+    row("fla chunk GDN varlen: final state", rel(s1, s0), 2e-2)
+    # T through the appended-identity trick, fp32 state
+    va, ia = augment(v, init, k.shape[-1])
+    _, sa = fast.chunk_gated_delta_rule(q, k, va, initial_state=ia, **kw)
+    va0, ia0 = augment(v.float(), init, k.shape[-1])
+    _, sa0 = ref.chunk_gated_delta_rule(q.float(), k.float(), va0, initial_state=ia0, **kw)
+    s_fast, t_fast = split_augmented(sa, v.shape[-1])
+    s_ref, t_ref = split_augmented(sa0, v.shape[-1])
+    row("fla chunk GDN augmented: T", rel(torch.stack([t.t for t in t_fast]), torch.stack([t.t for t in t_ref])), 2e-2)
+    row("fla chunk GDN augmented: S_out equals plain call", rel(s_fast, s1), 1e-5)
+    # decode: one token per sequence
+    dl = [1] * 8
+    q, k, v, gate, beta, cu, init = gdn_inputs(dl, dev=dev, seed=1)
+    kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    o0, s0 = ref.recurrent_gated_delta_rule(q.float(), k.float(), v.float(), initial_state=init, **kw)
+    o1, s1 = fast.recurrent_gated_delta_rule(q, k, v, initial_state=init, **kw)
+    row("fla fused recurrent GDN (decode): outputs", rel(o1, o0), 2e-2)
+    row("fla fused recurrent GDN (decode): state", rel(s1, s0), 2e-2)
+    # conv
+    gg = torch.Generator(device=dev).manual_seed(2)
+    lens = [3, 1, 50, 700]
+    c = 8192
+    x = torch.randn(sum(lens), c, device=dev, generator=gg).bfloat16()
+    w = torch.randn(c, 4, device=dev, generator=gg).bfloat16() * 0.5
+    win = torch.randn(len(lens), 3, c, device=dev, generator=gg).bfloat16()
+    cu = torch.tensor([0] + lens).cumsum(0)
+    y0, w0 = ref.causal_conv1d_varlen(x.float(), w.float(), None, win.float(), cu)
+    y1, w1 = fast.causal_conv1d_varlen(x, w, None, win, cu)
+    row("varlen conv (one call): outputs", rel(y1, y0), 2e-2)
+    row("varlen conv (one call): windows", rel(w1, w0), 0.0 + 1e-7)
+    # attention: fresh causal (flash) and scattered queries over placed keys (masked)
+    nq, h, hkv, d = 4096, 16, 2, 256
+    qa = torch.randn(nq, h, d, device=dev, generator=gg).bfloat16()
+    ka = torch.randn(nq, hkv, d, device=dev, generator=gg).bfloat16()
+    vb = torch.randn(nq, hkv, d, device=dev, generator=gg).bfloat16()
+    pos = torch.arange(nq, device=dev)
+    a0 = ref.position_attention(qa.float(), ka.float(), vb.float(), pos, pos, scale=d ** -0.5)
+    a1 = fast.position_attention(qa, ka, vb, pos, pos, scale=d ** -0.5, contiguous=True)
+    row("SDPA causal (flash) vs reference", rel(a1, a0), 2e-2)
+    q_pos = torch.cat([torch.arange(s, s + 8) for s in range(100, 4000, 400)] + [torch.arange(4032, 4096)]).to(dev)
+    qs = qa[q_pos]
+    a0 = ref.position_attention(qs.float(), ka.float(), vb.float(), q_pos, pos, scale=d ** -0.5)
+    a1 = fast.position_attention(qs, ka, vb, q_pos, pos, scale=d ** -0.5)
+    row("SDPA masked, scattered queries vs reference", rel(a1, a0), 2e-2)
+    # MoE
+    n, hd, inter, e, topk = 512, 2048, 512, 256, 8
+    xm = torch.randn(n, hd, device=dev, generator=gg).bfloat16()
+    router = torch.randn(e, hd, device=dev, generator=gg).bfloat16() * 0.02
+    gu = torch.randn(e, 2 * inter, hd, device=dev, generator=gg).bfloat16() * 0.02
+    dn = torch.randn(e, hd, inter, device=dev, generator=gg).bfloat16() * 0.02
+    wts, ex = ref.route(xm, router, topk, True)
+    m0 = ref.experts_forward(xm.float(), wts.float(), ex, gu.float(), dn.float())
+    m1 = fast.experts_forward(xm, wts, ex, gu, dn)
+    row("grouped-GEMM MoE vs reference", rel(m1, m0), 2e-2)
+
+
+def check_scan(dev):
+    from hypic.compose.scan import scan_dense, scan_dense_reference
+
+    g = torch.Generator(device=dev).manual_seed(3)
+    cu = [0, 20, 21, 41]
+    init = torch.randn(3, 32, 128, 128, device=dev, generator=g)
+    T = torch.randn(cu[-1], 32, 128, 128, device=dev, generator=g) / 128 ** 0.5 * 0.9
+    S = torch.randn(cu[-1], 32, 128, 128, device=dev, generator=g)
+    b1, f1 = scan_dense(init, T, S, cu)
+    b0, f0 = scan_dense_reference(init.double(), T.double(), S.double(), cu)
+    row("Triton dense chain scan vs fp64 sequential: before", rel(b1, b0), 1e-5)
+    row("Triton dense chain scan vs fp64 sequential: final", rel(f1, f0), 1e-5)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        scan_dense(init, T, S, cu)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / 20 * 1e3
+    byts = T.numel() * 4 * 4 + S.numel() * 4 * 2             # T read once per value block (4), S read + before written
+    print(f"scan 3 requests x 41 maps x 32 heads: {ms:.3f} ms, {byts / ms / 1e9:.0f} GB/s effective", flush=True)
+    return dict(scan_ms=ms)
+
+
+def check_composition(dev):
+    """Composed linear state vs one sequential pass, a 35B-A3B GDN layer's shapes: 20 segments x 1,600
+    tokens; each segment summarized alone (appended identity, bf16 inputs), the chain folded."""
+    from hypic.compose.scan import scan_dense
+    from hypic.compose.transition import augment, split_augmented
+
+    lens = [1600] * 20
+    out = {}
+    for name, decay in (("trained-like decays 0.9-0.999", (0.9, 0.999)), ("slow decays 0.999-0.9999", (0.999, 0.9999))):
+        q, k, v, gate, beta, _, _ = gdn_inputs(lens, dev=dev, seed=4, decay=decay)
+        kw = dict(g=gate, beta=beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
+        n = sum(lens)
+        zero = torch.zeros(1, 32, 128, 128, device=dev)
+        _, seq_ref = ref.chunk_gated_delta_rule(q.float(), k.float(), v.float(), initial_state=zero,
+                                                cu_seqlens=torch.tensor([0, n]), **kw)
+        _, seq_fast = fast.chunk_gated_delta_rule(q, k, v, initial_state=zero, cu_seqlens=torch.tensor([0, n]), **kw)
+        cu = torch.tensor([0] + lens).cumsum(0)
+        va, ia = augment(v, torch.zeros(len(lens), 32, 128, 128, device=dev), 128)
+        _, fa = fast.chunk_gated_delta_rule(q, k, va, initial_state=ia, cu_seqlens=cu, **kw)
+        S, ts = split_augmented(fa, 128)
+        T = torch.stack([t.t for t in ts])
+        _, comp = scan_dense(zero, T, S, [0, len(lens)])
+        e_ref = rel(comp, seq_ref)
+        e_fast = rel(comp, seq_fast)
+        row(f"composed vs sequential state (fp32 ref), {name}", e_ref, 2e-2)
+        row(f"composed vs sequential state (same fla kernel), {name}", e_fast, 2e-2)
+        print(f"   sequential fla vs fp32 reference: {rel(seq_fast, seq_ref):.3e}", flush=True)
+        out[name] = dict(composed_vs_ref=e_ref, composed_vs_fla=e_fast, fla_vs_ref=rel(seq_fast, seq_ref))
+    return out
+
+
+def check_engine(dev):
+    """Invariants on a whole model: small-qwen3.5 (dummy weights, slow decays), bf16 on CUDA (fast
+    backend) against the same weights in fp32 on the CPU (reference backend)."""
+    from hypic import LLM, Prompt, SamplingParams
+
+    cpu = LLM("small-qwen3.5", device="cpu", dtype="float32", backend="reference", seed=0)
+    gpu = LLM("small-qwen3.5", device=dev, dtype="bfloat16", backend="fast", seed=0)
+    with torch.no_grad():
+        for (n1, p1), (n2, p2) in zip(gpu.engine.model.named_parameters(), cpu.engine.model.named_parameters()):
+            assert n1 == n2
+            p1.copy_(p2)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(3, 250, (n,), generator=g).tolist()  # noqa: E731
+    segs = [ids(n) for n in (300, 17, 900, 5, 600, 1200)]
+    p = Prompt(prefix=ids(40), segments=segs, query=ids(24))
+    res = {}
+    for mode, seam in (("full", 0), ("pic", 8), ("pic", 2000), ("naive", 8)):
+        for llm in (cpu, gpu):
+            llm.set_policy(mode, seam)
+            llm.clear_cache()
+        res[(mode, seam, "cpu")] = cpu.next_token_logits(p)
+        res[(mode, seam, "gpu")] = gpu.next_token_logits(p).cpu()
+    full_c, full_g = res[("full", 0, "cpu")], res[("full", 0, "gpu")]
+    row("engine full, bf16 CUDA vs fp32 CPU reference (logits)", rel(full_g, full_c), 5e-2)
+    row("engine pic seam>=segments == full, bf16 CUDA", rel(res[("pic", 2000, "gpu")], full_g), 5e-2)
+    pic_gap = rel(res[("pic", 8, "gpu")], full_g)
+    naive_gap = rel(res[("naive", 8, "gpu")], full_g)
+    pic_gap_cpu = rel(res[("pic", 8, "cpu")], full_c)
+    row("engine pic seam 8 on CUDA matches pic seam 8 on CPU", rel(res[("pic", 8, "gpu")], res[("pic", 8, "cpu")]), 5e-2)
+    row("engine naive gap / pic gap (must be >= 5)", pic_gap / max(naive_gap, 1e-30), 0.2,
+        pic_gap=pic_gap, naive_gap=naive_gap, pic_gap_cpu=pic_gap_cpu)
+    # hit / miss invariance and phased == rounds on CUDA
+    gpu.set_policy("pic", 8)
+    gpu.clear_cache()
+    cold = gpu.generate([p], SamplingParams(max_tokens=8, return_logits=True, ignore_eos=True))[0]
+    warm = gpu.generate([p], SamplingParams(max_tokens=8, return_logits=True, ignore_eos=True))[0]
+    row("engine hit == miss on CUDA (decode logits)", rel(warm.logits, cold.logits), 1e-6,
+        same_tokens=warm.token_ids == cold.token_ids)
+    gpu.engine.config = gpu.engine.config.replace(walk="rounds")
+    rounds = gpu.generate([p], SamplingParams(max_tokens=8, return_logits=True, ignore_eos=True))[0]
+    gpu.engine.config = gpu.engine.config.replace(walk="phased")
+    row("engine phased walk == rounds walk on CUDA", rel(warm.logits, rounds.logits), 2e-2,
+        same_tokens=warm.token_ids == rounds.token_ids)
+    return {}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--skip-engine", action="store_true")
+    args = ap.parse_args()
+    dev = "cuda"
+    print(torch.__version__, torch.cuda.get_device_name(), "fla:", fast.fla_available(), flush=True)
+    result = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__)
+    result["ceilings"] = ceilings(dev)
+    for name, fn in (("ops", check_ops), ("scan", check_scan), ("composition", check_composition),
+                     ("engine", None if args.skip_engine else check_engine)):
+        if fn is None:
+            continue
+        t0 = time.perf_counter()
+        try:
+            result[name] = fn(dev)
+        except Exception as e:  # report and go on: one device call should say as much as it can
+            import traceback
+
+            traceback.print_exc()
+            ROWS.append(dict(check=name, error=repr(e), ok=False))
+        print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+    result["rows"] = ROWS
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+    bad = [r for r in ROWS if not r["ok"]]
+    print(f"\n{len(ROWS) - len(bad)}/{len(ROWS)} checks passed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
