@@ -159,17 +159,40 @@ def check_scan(dev):
     S = torch.randn(cu[-1], 32, 128, 128, device=dev, generator=g)
     b1, f1 = scan_dense(init, T, S, cu)
     b0, f0 = scan_dense_reference(init.double(), T.double(), S.double(), cu)
-    row("Triton dense chain scan vs fp64 sequential: before", rel(b1, b0), 1e-5)
-    row("Triton dense chain scan vs fp64 sequential: final", rel(f1, f0), 1e-5)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        scan_dense(init, T, S, cu)
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) / 20 * 1e3
-    byts = T.numel() * 4 * 4 + S.numel() * 4 * 2             # T read once per value block (4), S read + before written
-    print(f"scan 3 requests x 41 maps x 32 heads: {ms:.3f} ms, {byts / ms / 1e9:.0f} GB/s effective", flush=True)
-    return dict(scan_ms=ms)
+    row("Triton dense chain scan (tf32x3) vs fp64 sequential: before", rel(b1, b0), 1e-5)
+    row("Triton dense chain scan (tf32x3) vs fp64 sequential: final", rel(f1, f0), 1e-5)
+    from hypic.ops import triton_scan
+
+    def bench(fn):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / 10 * 1e3
+
+    def torch_steps():                       # the plain alternative: one baddbmm per step, requests batched
+        st = init.clone()
+        for j in range(20):
+            st[[0, 2]] = torch.baddbmm(S[[j, 21 + j]].flatten(0, 1), T[[j, 21 + j]].flatten(0, 1),
+                                       st[[0, 2]].flatten(0, 1)).view(2, 32, 128, 128)
+        return st
+
+    times = {"torch baddbmm steps (fp32)": bench(torch_steps)}
+    for prec in ("tf32x3",):
+        for bv in (32, 64):
+            for warps in (8,):
+                try:
+                    b2, f2 = triton_scan.scan_dense(init, T, S, cu, bv=bv, warps=warps, precision=prec)
+                    err = rel(f2, f0)
+                    times[f"triton {prec} bv={bv} warps={warps} (err {err:.1e})"] = bench(
+                        lambda: triton_scan.scan_dense(init, T, S, cu, bv=bv, warps=warps, precision=prec))
+                except Exception as e:
+                    times[f"triton {prec} bv={bv} warps={warps}"] = repr(e)[:80]
+    for k, v in times.items():
+        print(f"   scan 3 requests (20, 1, 20 maps) x 32 heads, {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
+    return dict(scan_ms=times)
 
 
 def check_composition(dev):
@@ -209,11 +232,19 @@ def check_engine(dev):
     from hypic import LLM, Prompt, SamplingParams
 
     cpu = LLM("small-qwen3.5", device="cpu", dtype="float32", backend="reference", seed=0)
-    gpu = LLM("small-qwen3.5", device=dev, dtype="bfloat16", backend="fast", seed=0)
+    with torch.no_grad():                    # slow decays (half-lives of hundreds of tokens): naive must fail
+        for n, p_ in cpu.engine.model.named_parameters():
+            if n.endswith("A_log"):
+                p_.copy_(torch.empty_like(p_).uniform_(1e-3, 3e-3).log())
+    others = {"gpu": LLM("small-qwen3.5", device=dev, dtype="bfloat16", backend="fast", seed=0),
+              "gpu32": LLM("small-qwen3.5", device=dev, dtype="float32", backend="fast", seed=0),
+              "cpu16": LLM("small-qwen3.5", device="cpu", dtype="bfloat16", backend="reference", seed=0)}
     with torch.no_grad():
-        for (n1, p1), (n2, p2) in zip(gpu.engine.model.named_parameters(), cpu.engine.model.named_parameters()):
-            assert n1 == n2
-            p1.copy_(p2)
+        for o in others.values():
+            for (n1, p1), (n2, p2) in zip(o.engine.model.named_parameters(), cpu.engine.model.named_parameters()):
+                assert n1 == n2
+                p1.copy_(p2)
+    gpu = others["gpu"]
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(3, 250, (n,), generator=g).tolist()  # noqa: E731
     segs = [ids(n) for n in (300, 17, 900, 5, 600, 1200)]
@@ -226,12 +257,21 @@ def check_engine(dev):
         res[(mode, seam, "cpu")] = cpu.next_token_logits(p)
         res[(mode, seam, "gpu")] = gpu.next_token_logits(p).cpu()
     full_c, full_g = res[("full", 0, "cpu")], res[("full", 0, "gpu")]
-    row("engine full, bf16 CUDA vs fp32 CPU reference (logits)", rel(full_g, full_c), 5e-2)
-    row("engine pic seam>=segments == full, bf16 CUDA", rel(res[("pic", 2000, "gpu")], full_g), 5e-2)
+    for o in others.values():
+        o.set_policy("full", 0)
+    yard = rel(others["cpu16"].next_token_logits(p), full_c)            # what bf16 alone costs on this model
+    full32 = rel(others["gpu32"].next_token_logits(p).cpu(), full_c)
+    # yardstick: what bf16 alone costs this model on the CPU reference (a slow-decay random model
+    # amplifies rounding a lot); tf32 (fla's fp32 kernels) keeps 2 more mantissa bits: <= yard / 2
+    row("engine full, fp32 CUDA (fla tf32 inside) vs fp32 CPU reference", full32, yard / 2)
+    row("engine full, bf16 CUDA vs fp32 CPU, over bf16 CPU reference's own error", rel(full_g, full_c) / yard, 2.0,
+        bf16_cuda=rel(full_g, full_c), bf16_cpu_reference=yard)
+    row("engine pic seam>=segments == full, bf16 CUDA", rel(res[("pic", 2000, "gpu")], full_g), 2 * yard)
     pic_gap = rel(res[("pic", 8, "gpu")], full_g)
     naive_gap = rel(res[("naive", 8, "gpu")], full_g)
     pic_gap_cpu = rel(res[("pic", 8, "cpu")], full_c)
-    row("engine pic seam 8 on CUDA matches pic seam 8 on CPU", rel(res[("pic", 8, "gpu")], res[("pic", 8, "cpu")]), 5e-2)
+    row("engine pic seam 8 on CUDA matches pic seam 8 on CPU", rel(res[("pic", 8, "gpu")], res[("pic", 8, "cpu")]),
+        2 * yard)
     row("engine naive gap / pic gap (must be >= 5)", pic_gap / max(naive_gap, 1e-30), 0.2,
         pic_gap=pic_gap, naive_gap=naive_gap, pic_gap_cpu=pic_gap_cpu)
     # hit / miss invariance and phased == rounds on CUDA
@@ -244,7 +284,12 @@ def check_engine(dev):
     gpu.engine.config = gpu.engine.config.replace(walk="rounds")
     rounds = gpu.generate([p], SamplingParams(max_tokens=8, return_logits=True, ignore_eos=True))[0]
     gpu.engine.config = gpu.engine.config.replace(walk="phased")
-    row("engine phased walk == rounds walk on CUDA", rel(warm.logits, rounds.logits), 2e-2,
+    # compare the steps up to the first differing greedy token: after a flip (the top-2 gap of this
+    # model's first step is 0.08 on a logit norm of 5.8, inside bf16 noise) the requests diverge
+    same = next((i for i, (a, b) in enumerate(zip(warm.token_ids, rounds.token_ids)) if a != b), len(warm.token_ids))
+    upto = max(1, same)
+    row("engine phased walk == rounds walk on CUDA (steps before any token flip)",
+        rel(warm.logits[:upto], rounds.logits[:upto]), 2 * yard, steps_compared=upto,
         same_tokens=warm.token_ids == rounds.token_ids)
     return {}
 
@@ -253,14 +298,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated sections: ops, scan, composition, engine")
     args = ap.parse_args()
     dev = "cuda"
     print(torch.__version__, torch.cuda.get_device_name(), "fla:", fast.fla_available(), flush=True)
     result = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__)
-    result["ceilings"] = ceilings(dev)
+    result["ceilings"] = ceilings(dev) if not args.only else None
     for name, fn in (("ops", check_ops), ("scan", check_scan), ("composition", check_composition),
                      ("engine", None if args.skip_engine else check_engine)):
-        if fn is None:
+        if fn is None or (args.only and name not in args.only.split(",")):
             continue
         t0 = time.perf_counter()
         try:

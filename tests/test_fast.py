@@ -61,7 +61,9 @@ def test_attention_equals_reference(h, hkv, monkeypatch):
     q_pos = torch.tensor([3, 4, 5, 40, 41, 70, 71, 72, 88, 89])
     q = _rand(len(q_pos), h, d, g=g)
     o0 = ref.position_attention(q, k, v, q_pos, k_pos, scale=0.3)
-    for mask_bytes in (1 << 28, 7 * (h // hkv) * nk):                  # one call; several query chunks
+    # explicit scores (few queries); SDPA with a mask in one call; in several query chunks
+    for scores_bytes, mask_bytes in ((1 << 30, 1 << 28), (0, 1 << 28), (0, 7 * (h // hkv) * nk)):
+        monkeypatch.setattr(fast, "_SCORES_BYTES", scores_bytes)
         monkeypatch.setattr(fast, "_MASK_BYTES", mask_bytes)
         o1 = fast.position_attention(q, k, v, q_pos, k_pos, scale=0.3)
         torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)

@@ -88,7 +88,8 @@ class LinearMixer(nn.Module):
         for seq in batch.seqs:
             if L not in seq.state.layers:
                 seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)
-        if batch.walk == "phased" and _phased_ok(batch):
+        if batch.walk == "phased" and _phased_ok(batch):           # (batches without cached segments walk
+                                                                    # in rounds: one call per run of a sequence)
             out = self._forward_phased(x, f, batch)
         else:
             out = self._forward_rounds(x, f, batch)
@@ -152,7 +153,7 @@ class LinearMixer(nn.Module):
                 i += 1
         summ = {}
         if need:
-            idx = torch.cat([torch.arange(run.start, run.end, device=x.device) for _, _, run in need])
+            idx = _rows([run for _, _, run in need], x.device)
             cu = torch.tensor([0] + [run.n for _, _, run in need]).cumsum(0)
             sub = None if conv_out is None else conv_out[idx]
             h, kk, vv = self.state_shape
@@ -170,13 +171,16 @@ class LinearMixer(nn.Module):
             if not sel:
                 continue
             items = [runs[i] for i in sel]
-            idx = torch.cat([torch.arange(p.start, p.end, device=x.device) for _, p in items])
+            idx = _rows([p for _, p in items], x.device)
             cu = torch.tensor([0] + [p.n for _, p in items]).cumsum(0)
             sub = None if conv_out is None else (conv_out if len(sel) == len(runs) else conv_out[idx])
             o, final, ts = self.kernel(f, sub, idx, init[sel] if len(sel) < len(runs) else init, cu, summarize)
-            if out is None:
-                out = o.new_zeros((x.shape[0],) + tuple(o.shape[1:]))
-            out[idx] = o.to(out.dtype)
+            if out is None and isinstance(idx, slice) and idx == slice(0, x.shape[0]):
+                out = o                                        # every row, in order: no scatter
+            else:
+                if out is None:
+                    out = o.new_zeros((x.shape[0],) + tuple(o.shape[1:]))
+                out[idx] = o.to(out.dtype)
             for n_, i in enumerate(sel):
                 seq, run = runs[i]
                 if summarize:
@@ -310,26 +314,27 @@ class LinearMixer(nn.Module):
     def _runs(self, items, x, f, out, summarize: bool):
         L = self.layer_idx
         lens = [run.n for _, run in items]
-        idx = torch.cat([torch.arange(run.start, run.end, device=x.device) for _, run in items])
+        idx = _rows([run for _, run in items], x.device)
+        cu = torch.tensor([0] + lens).cumsum(0)
         conv_out, tails = None, []
         if self.conv_width:
             weight, bias = self.conv_weights()
-            raw, ys = f["raw"], []
-            for seq, run in items:
-                st = seq.state.layers[L]
-                y, window = self.ops.causal_conv1d(raw[None, run.start : run.end], weight, bias, window=st.conv[None],
-                                                   activation=self.conv_activation)
-                ys.append(y[0])
-                st.conv = window[0]
+            raw = f["raw"]
+            windows = torch.stack([seq.state.layers[L].conv for seq, _ in items])
+            conv_out, new = self.ops.causal_conv1d_varlen(raw[idx], weight, bias, windows, cu,
+                                                          activation=self.conv_activation)
+            for i, (seq, run) in enumerate(items):
+                seq.state.layers[L].conv = new[i].clone() if len(items) > 1 else new[i]   # own memory
                 # the last W-1 raw inputs of the cached part: the next span's conv warm-up
                 tails.append(raw[max(run.start, run.end - (self.conv_width - 1)) : run.end].clone())
-            conv_out = torch.cat(ys, dim=0)
         init = torch.stack([seq.state.layers[L].rec for seq, _ in items])      # [R, H, K, V]
-        cu = torch.tensor([0] + lens, device=x.device).cumsum(0)
         o, final, ts = self.kernel(f, conv_out, idx, init, cu, summarize)
-        if out is None:
-            out = o.new_zeros((x.shape[0],) + tuple(o.shape[1:]))
-        out[idx] = o.to(out.dtype)
+        if out is None and isinstance(idx, slice) and idx == slice(0, x.shape[0]):
+            out = o
+        else:
+            if out is None:
+                out = o.new_zeros((x.shape[0],) + tuple(o.shape[1:]))
+            out[idx] = o.to(out.dtype)
         for i, (seq, run) in enumerate(items):
             st = seq.state.layers[L]
             st.rec = final[i]
@@ -339,6 +344,14 @@ class LinearMixer(nn.Module):
             if run.mark:                 # cached in a prefix node: own the memory, not a view of the batch
                 run.captures[L] = LinearState(final[i].clone(), st.conv)
         return out
+
+
+def _rows(runs, device):
+    """The flat rows of runs given in order: a slice when they lie back to back (no gather, no copy),
+    else the concatenated index."""
+    if all(a.end == b.start for a, b in zip(runs, runs[1:])):
+        return slice(runs[0].start, runs[-1].end)
+    return torch.cat([torch.arange(r.start, r.end, device=device) for r in runs])
 
 
 def _shift(window, new, wm1: int):
@@ -360,11 +373,13 @@ def _phased_ok(batch) -> bool:
     cached segments, the seam part of an isolated prefill): their summaries cost little. A long run
     followed by another (a prefix-mode chain of marked spans) would be summarized at full length:
     walk those in rounds."""
+    applies = False
     for seq in batch.seqs:
         runs = [p for p in seq.pieces if isinstance(p, Run)]
+        applies = applies or len(runs) < len(seq.pieces)
         if any(r.n > _SHORT_RUN for r in runs[:-1]):
             return False
-    return True
+    return applies
 
 
 def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, **kw):

@@ -40,10 +40,27 @@ def fla_available() -> bool:
     return _fla() is not None
 
 
+_CU: dict = {}
+
+
 def _cu(cu_seqlens, device):
+    """(cu on the device, cu on the CPU, fla chunk indices) for one varlen layout, made once and reused
+    by every layer of a forward: fla caches its derived index tensors by the identity of the device
+    tensor, and building them costs a host-to-device copy and ~1 ms of CPU per call."""
     if cu_seqlens is None:
-        return None, None
-    return cu_seqlens.to(device, non_blocking=True), cu_seqlens.cpu()
+        return None, None, None
+    cpu = cu_seqlens.cpu()
+    key = (tuple(cpu.tolist()), str(device))
+    hit = _CU.get(key)
+    if hit is None:
+        from fla.ops.utils import prepare_chunk_indices
+
+        dev = cpu.to(device)
+        hit = (dev, cpu, prepare_chunk_indices(dev, 64, cu_seqlens_cpu=cpu))
+        if len(_CU) > 256:
+            _CU.clear()
+        _CU[key] = hit
+    return hit
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -53,11 +70,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
         return ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    cu, cu_cpu = _cu(cu_seqlens, q.device)
+    cu, cu_cpu, chunks = _cu(cu_seqlens, q.device)
     init = None if initial_state is None else initial_state.float().contiguous()
     o, final = kern[0](q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=init,
                        output_final_state=output_final_state, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                       chunk_indices=chunks, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return o.to(v.dtype), final
 
 
@@ -68,7 +85,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
         return ref.recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    cu, _ = _cu(cu_seqlens, q.device)
+    cu, _, _ = _cu(cu_seqlens, q.device)
     init = None if initial_state is None else initial_state.float().contiguous()
     o, final = kern[1](q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=init,
                        output_final_state=output_final_state, cu_seqlens=cu,
@@ -112,6 +129,7 @@ def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: st
 
 # -- attention -------------------------------------------------------------------------------------------
 _MASK_BYTES = 1 << 28          # the largest [queries, keys] mask one SDPA call materialises
+_SCORES_BYTES = 1 << 30        # few queries over many keys: explicit fp32 scores up to this size
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False):
@@ -129,6 +147,15 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         return o[0].transpose(0, 1)
     # GQA folded into the query axis: [Hkv, rep * Nq, D] against [Hkv, Nk, D], one mask row per query
     qf = q.view(nq, hkv, rep, d).permute(1, 2, 0, 3)                             # [Hkv, rep, Nq, D]
+    if h * nq * nk * 4 <= _SCORES_BYTES:
+        # few queries (seams, a query, decode) over many keys: the fused kernels parallelise over query
+        # blocks and heads, too few here to fill the GPU; two batched GEMMs and a softmax do
+        s = torch.matmul(qf.reshape(hkv, rep * nq, d), k.permute(1, 2, 0)).float() * scale   # [Hkv, rep*Nq, Nk]
+        mask = k_pos[None, :] <= q_pos[:, None]
+        s = s.view(hkv, rep, nq, nk).masked_fill_(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1).to(v.dtype).view(hkv, rep * nq, nk)
+        o = torch.matmul(p, v.transpose(0, 1))                                        # [Hkv, rep*Nq, Dv]
+        return o.view(hkv, rep, nq, dv).permute(2, 0, 1, 3).reshape(nq, h, dv)
     out = q.new_empty(hkv, rep, nq, dv)
     step = max(1, _MASK_BYTES // max(1, rep * nk))
     for a in range(0, nq, step):
@@ -149,7 +176,8 @@ def experts_forward(x, weights, experts, gate_up, down):
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
-    offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)  # no sync
     xs = x[order // k]
     gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)     # [n*k, H]
