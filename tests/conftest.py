@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random models of every supported architecture, built with transformers'
-own classes (the oracle), saved with save_pretrained and loaded by hypic.
+own classes (the oracle), saved with save_pretrained and loaded by hypic. Ring-linear
+(`bailing_moe_linear`) is not in transformers: its oracle is the independent reference forward in
+tests/ring_reference.py, which writes a checkpoint in the real layout the same way.
 
 fla, causal_conv1d and mamba_ssm are blocked before transformers is imported: they cannot run on a CPU and
 transformers would otherwise swap them in.
@@ -24,6 +26,7 @@ ARCHS = {
     "minimax": ("tiny-minimax", "MiniMaxForCausalLM"),
     "nemotron_h": ("tiny-nemotron-h", "NemotronHForCausalLM"),
     "jamba": ("tiny-jamba", "JambaForCausalLM"),
+    "bailing_moe_linear": ("tiny-ring-linear", None),          # None: tests/ring_reference.py
 }
 
 
@@ -36,6 +39,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):
     preset, cls = ARCHS[arch]
     d = preset_config(preset)
     d.update(overrides)
+    if cls is None:
+        from .ring_reference import RingLinearReference
+
+        return RingLinearReference(d, seed)
     mt = d.pop("model_type")
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(AutoConfig.for_model(mt, **d)).eval()
