@@ -97,7 +97,7 @@ class ModelConfig:
         g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
         eos = g("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        eps = g("rms_norm_eps", None) or g("layer_norm_epsilon", None) or 1e-6
+        eps = g("rms_norm_eps", None) or g("layer_norm_epsilon", None) or g("norm_eps", None) or 1e-6
         return cls(
             arch=spec.arch, hf_model_type=spec.hf_type or model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
             layer_types=tuple(layer_types), rms_norm_eps=float(eps),
@@ -428,6 +428,34 @@ def _parse_bailing_linear(hf):
 
 
 @dataclass(frozen=True)
+class Lfm2Params:
+    """LFM2: gated short-convolution layers (no recurrent state, only a conv window) + GQA attention
+    with q/k RMSNorm and RoPE; SwiGLU MLP in every layer."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_parameters: tuple
+    conv_kernel: int                   # conv_L_cache
+    conv_bias: bool
+    intermediate_size: int             # after block_auto_adjust_ff_dim, as transformers builds it
+
+
+def _parse_lfm2(hf):
+    inter = hf.intermediate_size
+    if hf.block_auto_adjust_ff_dim:
+        inter = int(2 * inter / 3)
+        if hf.block_ffn_dim_multiplier is not None:
+            inter = int(hf.block_ffn_dim_multiplier * inter)
+            inter = hf.block_multiple_of * ((inter + hf.block_multiple_of - 1) // hf.block_multiple_of)
+    params = Lfm2Params(
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, rope_parameters=_rope(hf),
+        conv_kernel=hf.conv_L_cache, conv_bias=bool(hf.conv_bias), intermediate_size=inter)
+    return _layer_types(hf, {"conv": LINEAR}), params
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str          # hypic architecture: selects the model module (models/registry.py)
     hf_type: str | None  # transformers model_type whose config class parses the dict (None: remote code)
@@ -447,6 +475,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "nemotron_h": ArchSpec("nemotron_h", "nemotron_h", _parse_nemotron_h),
     "jamba": ArchSpec("jamba", "jamba", _parse_jamba),
     "bailing_moe_linear": ArchSpec("bailing_moe_linear", None, _parse_bailing_linear),
+    "lfm2": ArchSpec("lfm2", "lfm2", _parse_lfm2),
 }
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
@@ -456,7 +485,6 @@ UNSUPPORTED: dict[str, str] = {
     "zamba2": "Mamba2 with shared attention blocks and LoRA adapters; not implemented yet",
     "zamba": "Mamba1 with a shared attention block; not implemented yet",
     "bailing_hybrid": "Ling 3.0 (KDA + MLA with RoPE); not implemented yet (its MLA keys need RoPE placement)",
-    "lfm2": "short-convolution layers only (no recurrent state): PIC would need a conv-only entry; not implemented",
     "olmo_hybrid": "Gated DeltaNet + attention; not implemented yet",
     "recurrent_gemma": "RG-LRU + local (sliding-window) attention: a windowed KV is not position independent",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",

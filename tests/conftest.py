@@ -27,6 +27,7 @@ ARCHS = {
     "nemotron_h": ("tiny-nemotron-h", "NemotronHForCausalLM"),
     "jamba": ("tiny-jamba", "JambaForCausalLM"),
     "bailing_moe_linear": ("tiny-ring-linear", None),          # None: tests/ring_reference.py
+    "lfm2": ("tiny-lfm2", "Lfm2ForCausalLM"),
 }
 
 
@@ -54,12 +55,12 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.empty_like(p).uniform_(-2.0, 0.0))
             elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("conv1d.weight"):
+            elif name.endswith(("conv1d.weight", "conv.conv.weight")):
                 p.mul_(3.0)
             elif name.endswith((".mixer.D", ".mamba.D")):   # Mamba's skip: small, so the state path shows
                 p.copy_(torch.randn_like(p) * 0.1)
-            elif name.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight")):   # Mamba's x, B, C at O(1)
-                p.mul_(5.0)
+            elif name.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight", "conv.in_proj.weight")):
+                p.mul_(5.0)                        # Mamba's x, B, C (and LFM2's B, C, x) at O(1)
     return model
 
 

@@ -222,3 +222,25 @@ def test_ring_state_needs_the_rotation():
     layer.key_rotation = lambda offset: None
     unrotated, _ = _compose(layer, x, lengths, seam=2)
     assert (unrotated.rec - ref).norm() / ref.norm() > 0.1
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 1, 5], [2, 2, 2], [3, 40, 1, 17], [10]])
+@pytest.mark.parametrize("seam", [0, 1, 2, 3])
+def test_short_conv_window_chain(seam, lengths):
+    """LFM2's gated short conv keeps no recurrent state: its PIC is the conv warm-up alone. The window
+    handed on through seams and cached tails equals the sequential one for every seam and segment
+    length (shorter than the window, chains of such segments), and an entry stores no state: its
+    T and S are empty, only the conv tail has bytes."""
+    from hypic.layers.short_conv import ShortConv
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_dict(preset_config("tiny-lfm2"))
+    layer = ShortConv(cfg, 0, OPS).eval()
+    x = torch.randn(sum(lengths), cfg.hidden_size)
+    _, ref, _ = _forward(layer, [("run", list(range(x.shape[0])))], x)
+    got, entries = _compose(layer, x, lengths, seam)
+    torch.testing.assert_close(got.conv, ref.layers[0].conv, atol=0, rtol=0)
+    for w, n, part in entries:
+        if part is not None:
+            assert part.T.t.numel() == 0 and part.S.numel() == 0
+            assert part.nbytes == part.tail.element_size() * part.tail.numel()

@@ -75,6 +75,7 @@ def test_unsupported_layer_type(hf_checkpoints, tmp_path):
 @pytest.mark.parametrize("arch,field,value,name", [
     ("nemotron_h", "layers_block_type", ["mamba", "moe", "attention"], "moe"),
     ("kimi_linear", "layer_types", ["linear_attention", "sliding_attention"], "sliding_attention"),
+    ("lfm2", "layer_types", ["conv", "sliding_attention"], "sliding_attention"),
     ("jamba", None, None, None),
 ])
 def test_unsupported_layer_type_names_the_type(arch, field, value, name):
@@ -82,13 +83,16 @@ def test_unsupported_layer_type_names_the_type(arch, field, value, name):
     from hypic.config import ModelConfig
     from hypic.models.presets import preset_config
 
-    presets = {"nemotron_h": "tiny-nemotron-h", "kimi_linear": "tiny-kimi-linear", "jamba": "tiny-jamba"}
+    presets = {"nemotron_h": "tiny-nemotron-h", "kimi_linear": "tiny-kimi-linear", "jamba": "tiny-jamba",
+               "lfm2": "tiny-lfm2"}
     d = preset_config(presets[arch])
     if field is None:                                       # the preset itself parses
         assert ModelConfig.from_dict(d).arch == arch
         return
     d[field] = value
     d.pop("num_hidden_layers", None)
+    if arch == "lfm2":
+        d["num_hidden_layers"] = len(value)
     if arch == "kimi_linear":
         d["num_hidden_layers"] = len(value)
         d["mlp_layer_types"] = ["dense"] * len(value)

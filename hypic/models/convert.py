@@ -148,3 +148,8 @@ def bailing_moe_linear(tensors: dict, cfg: ModelConfig) -> dict:
         w = t["lm_head.weight"]
         t["lm_head.weight"] = (w.float() / (w.float().norm(dim=0, keepdim=True) + 1e-7)).to(w.dtype)
     return _common(t, cfg)
+
+
+def lfm2(tensors: dict, cfg: ModelConfig) -> dict:
+    """transformers' Lfm2ForCausalLM layout as saved (no renames)."""
+    return _common(tensors, cfg)

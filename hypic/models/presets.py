@@ -77,6 +77,15 @@ PRESETS: dict[str, dict] = {
         norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=65536, rms_norm_eps=1e-6,
         tie_word_embeddings=False, eos_token_id=256, initializer_range=0.02,
     ),
+    # LFM2: conv, conv, attention, conv, conv, attention (conv window 3), tied embeddings.
+    "tiny-lfm2": dict(
+        model_type="lfm2", vocab_size=320, hidden_size=64, num_hidden_layers=6,
+        layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=192, block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.0, block_multiple_of=32, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=65536,
+        tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # A larger CPU preset for benchmarks (still random weights, still the built-in tokenizer).
     "small-qwen3.5": dict(_tiny("qwen3_5_text", intermediate_size=1024), hidden_size=256, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,

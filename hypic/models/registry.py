@@ -16,6 +16,7 @@ _MODELS = {
     "jamba": ("hypic.models.jamba", "JambaForCausalLM", "hypic.models.convert", "jamba"),
     "bailing_moe_linear": ("hypic.models.bailing_moe_linear", "BailingMoeLinearForCausalLM", "hypic.models.convert",
                            "bailing_moe_linear"),
+    "lfm2": ("hypic.models.lfm2", "Lfm2ForCausalLM", "hypic.models.convert", "lfm2"),
 }
 
 
