@@ -99,7 +99,8 @@ class ModelConfig:
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         eps = g("rms_norm_eps", None) or g("layer_norm_epsilon", None) or g("norm_eps", None) or 1e-6
         return cls(
-            arch=spec.arch, hf_model_type=spec.hf_type or model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            arch=spec.arch, hf_model_type=spec.hf_type or model_type, vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
             layer_types=tuple(layer_types), rms_norm_eps=float(eps),
             max_position_embeddings=int(g("max_position_embeddings", 1 << 20) or (1 << 20)),
             tie_word_embeddings=bool(g("tie_word_embeddings", False)), initializer_range=g("initializer_range", 0.02),
@@ -391,7 +392,8 @@ def _parse_bailing_linear(hf):
     heads = hf.num_attention_heads
     head_dim = g("head_dim") or hf.hidden_size // heads
     if g("rope_scaling"):
-        raise UnsupportedArchitectureError(f"bailing_moe_linear with rope_scaling={g('rope_scaling')!r} is not supported")
+        raise UnsupportedArchitectureError(
+            f"bailing_moe_linear with rope_scaling={g('rope_scaling')!r} is not supported")
     rotary_dim = g("rotary_dim") or int(head_dim * float(g("partial_rotary_factor", 1.0) or 1.0))
     rope = {"rope_type": "default", "rope_theta": float(g("rope_theta", 600000))}
     n_layers = hf.num_hidden_layers

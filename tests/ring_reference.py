@@ -4,8 +4,9 @@ oracle of invariant 7 for the one architecture transformers does not ship.
 Written from the public ports' layout (docs/algorithm.md section 11), deliberately simple and
 sharing no code with hypic: float64, weights in a dict under the checkpoint's own names, the
 lightning layers as a token-by-token recurrence at true positions, softmax attention as one
-causal matrix, the MoE one token at a time. It mimics the small part of a transformers model the
-tests use: `model(ids [1, T]).logits`, `save_pretrained(dir)`, `named_parameters()`, `eval()`.
+causal matrix, the MoE as every expert on every token weighted by the routing. It mimics the
+small part of a transformers model the tests use: `model(ids [1, T]).logits`,
+`save_pretrained(dir)`, `named_parameters()`, `eval()`.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class RingLinearReference:
             if c.get("linear_silu"):
                 qkv = torch.nn.functional.silu(qkv)
             q, k, v = qkv.view(3, H, D)
-            q, k = self._rms(q, self.w[f"{a}.query_layernorm.weight"]), self._rms(k, self.w[f"{a}.key_layernorm.weight"])
+            q = self._rms(q, self.w[f"{a}.query_layernorm.weight"])
+            k = self._rms(k, self.w[f"{a}.key_layernorm.weight"])
             q, k = self._rope(q, torch.tensor(t)), self._rope(k, torch.tensor(t))
             S = decay[:, None, None] * S + k[:, :, None] * v[:, None, :]
             o = torch.einsum("hk,hkv->hv", q * D ** -0.5, S).reshape(-1)
@@ -147,23 +149,22 @@ class RingLinearReference:
                 ) @ w[f"{prefix}.down_proj.weight"].T
 
     def _moe(self, i, x):
-        """Per token: sigmoid scores; selection by score + bias inside the best topk_group of n_group
-        groups (group score: sum of its top two); weights = unbiased scores, renormalised, * scaling."""
-        c, p = self.config, f"model.layers.{i}.mlp"
+        """Sigmoid scores; experts chosen by score + bias inside the best topk_group of n_group
+        groups (group score: sum of its top two); weights = unbiased scores, renormalised, * scaling.
+        Every expert is run on every token (dense), then weighted by the routing (zero if unchosen)."""
+        c, p, T = self.config, f"model.layers.{i}.mlp", x.shape[0]
         G, per = c["n_group"], self.E // c["n_group"]
-        out = []
-        for t in range(x.shape[0]):
-            scores = torch.sigmoid(self.w[f"{p}.gate.weight"] @ x[t])
-            choice = scores + self.w[f"{p}.gate.expert_bias"]
-            gscore = choice.view(G, per).topk(2).values.sum(-1)
-            keep = set(gscore.topk(c["topk_group"]).indices.tolist())
-            allowed = torch.tensor([e // per in keep for e in range(self.E)])
-            experts = choice.masked_fill(~allowed, float("-inf")).topk(c["num_experts_per_tok"]).indices
-            weights = scores[experts]
-            weights = weights / weights.sum() * c["routed_scaling_factor"]
-            y = sum(wt * self._mlp(f"{p}.experts.{int(e)}", x[t]) for wt, e in zip(weights, experts))
-            out.append(y + self._mlp(f"{p}.shared_experts", x[t]))
-        return torch.stack(out)
+        scores = torch.sigmoid(x @ self.w[f"{p}.gate.weight"].T)                   # [T, E]
+        choice = scores + self.w[f"{p}.gate.expert_bias"]
+        gscore = choice.view(T, G, per).topk(2, dim=-1).values.sum(-1)            # [T, G]
+        keep = torch.zeros(T, G, dtype=torch.bool).scatter_(1, gscore.topk(c["topk_group"], dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+        experts = choice.topk(c["num_experts_per_tok"], dim=-1).indices            # [T, k]
+        weights = scores.gather(1, experts)
+        weights = weights / weights.sum(-1, keepdim=True) * c["routed_scaling_factor"]
+        route = torch.zeros(T, self.E, dtype=x.dtype).scatter_(1, experts, weights)
+        every = torch.stack([self._mlp(f"{p}.experts.{e}", x) for e in range(self.E)], dim=1)   # [T, E, hidden]
+        return (route[..., None] * every).sum(1) + self._mlp(f"{p}.shared_experts", x)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor):

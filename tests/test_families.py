@@ -4,8 +4,9 @@ them: each segment's seam [0, w) forwarded in context and its isolated summary o
 from positions 0..L-1 and a zero state) applied in between.
 
 Parametrized over families (dense: Gated DeltaNet, KDA; scalar: lightning, Mamba2; diagonal:
-Mamba1; RoPE'd lightning, MiniMax layout and Ring-linear's), shapes (heads, key / value dims, value heads per key head), seams and segment lengths
-down to 1 (shorter than the conv window, and chains of such segments).
+Mamba1; RoPE'd lightning, MiniMax layout and Ring-linear's), shapes (heads, key / value dims,
+value heads per key head), seams and segment lengths down to 1 (shorter than the conv window,
+and chains of such segments); LFM2's short conv (no state) has its own window-chain test.
 
 Tolerances: fp32 everywhere; the composed and the sequential state differ only in summation
 order (chunk boundaries move, S(C|0) = S_out - T S_in subtracts), observed ~1e-7 relative; we
