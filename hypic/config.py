@@ -80,13 +80,16 @@ class ModelConfig:
                 + (f" ({UNSUPPORTED[model_type]})" if model_type in UNSUPPORTED else "")
             )
         spec = ARCHITECTURES[model_type]
-        from transformers import AutoConfig  # defaults and rope normalisation come from transformers itself
-
         kwargs = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")}
-        try:
-            hf = AutoConfig.for_model(spec.hf_type, **kwargs)
-        except Exception as e:  # transformers validates values (types, ranges)
-            raise ConfigError(f"invalid {model_type} config: {e}") from e
+        if spec.hf_type is None:          # not in transformers (remote code): the dict as written
+            hf = _RemoteConfig(kwargs)
+        else:
+            from transformers import AutoConfig  # defaults and rope normalisation come from transformers itself
+
+            try:
+                hf = AutoConfig.for_model(spec.hf_type, **kwargs)
+            except Exception as e:  # transformers validates values (types, ranges)
+                raise ConfigError(f"invalid {model_type} config: {e}") from e
         layer_types, params = spec.parse(hf)
         bad = sorted({t for t in layer_types if t not in (LINEAR, FULL, MLP_ONLY)})
         if bad:
@@ -94,9 +97,10 @@ class ModelConfig:
         g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
         eos = g("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        eps = g("rms_norm_eps", None) or g("layer_norm_epsilon", None) or 1e-6
+        eps = g("rms_norm_eps", None) or g("layer_norm_epsilon", None) or g("norm_eps", None) or 1e-6
         return cls(
-            arch=spec.arch, hf_model_type=spec.hf_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            arch=spec.arch, hf_model_type=spec.hf_type or model_type, vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
             layer_types=tuple(layer_types), rms_norm_eps=float(eps),
             max_position_embeddings=int(g("max_position_embeddings", 1 << 20) or (1 << 20)),
             tie_word_embeddings=bool(g("tie_word_embeddings", False)), initializer_range=g("initializer_range", 0.02),
@@ -116,6 +120,17 @@ class ModelConfig:
         from transformers import PretrainedConfig
 
         return cls.from_dict(PretrainedConfig._decode_special_floats(d))   # {"__float__": "Infinity"} -> inf
+
+
+class _RemoteConfig:
+    """A config.json of an architecture transformers does not ship (remote code): its values as
+    written, read with getattr like a transformers config. Defaults are the parser's business."""
+
+    def __init__(self, d: dict[str, Any]):
+        self.__dict__.update(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 # -- architecture-specific parts ---------------------------------------------------------------------
@@ -332,9 +347,120 @@ def _parse_jamba(hf):
 
 
 @dataclass(frozen=True)
+class BailingLinearParams:
+    """Ring-linear / Ling-linear 2.0 (`bailing_moe_linear`, remote code): lightning attention with
+    RoPE'd keys + GQA attention, every `layer_group_size`-th layer full; DeepSeek-style MoE after the
+    first `first_k_dense_replace` dense layers. Names are the checkpoint config's (docs/algorithm.md
+    section 11 lists the public sources and what could not be verified)."""
+
+    num_attention_heads: int           # linear layers: MHA with this many heads
+    num_key_value_heads: int           # full-attention layers (GQA)
+    head_dim: int
+    rotary_dim: int                    # partial RoPE on q and k, rotate-half (neox) layout
+    rope_parameters: tuple
+    use_qk_norm: bool
+    linear_silu: bool                  # silu on the fused q/k/v of the linear layers
+    group_norm_size: int               # groups of the linear output RMSNorm
+    qkv_bias: bool                     # use_bias or use_qkv_bias
+    dense_bias: bool                   # use_bias
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int      # (moe_shared_expert_intermediate_size or moe_intermediate_size) * shared
+    score_function: str                # "sigmoid" | "softmax"
+    expert_bias: bool                  # moe_router_enable_expert_bias: a selection-only bias per expert
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    norm_head: bool                    # lm_head rows normalised at load
+
+
+def bailing_layer_types(num_layers: int, group: int) -> tuple[str, ...]:
+    """Every `group`-th layer is full attention, and so is every layer after the last whole group
+    (MLX-LM's rule; SGLang requires num_layers % group == 0, where the two agree). group <= 0: all full."""
+    if group <= 0:
+        return (FULL,) * num_layers
+    tail = num_layers // group * group
+    return tuple(FULL if (i + 1) % group == 0 or i >= tail else LINEAR for i in range(num_layers))
+
+
+def _parse_bailing_linear(hf):
+    g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
+    heads = hf.num_attention_heads
+    head_dim = g("head_dim") or hf.hidden_size // heads
+    if g("rope_scaling"):
+        raise UnsupportedArchitectureError(
+            f"bailing_moe_linear with rope_scaling={g('rope_scaling')!r} is not supported")
+    rotary_dim = g("rotary_dim") or int(head_dim * float(g("partial_rotary_factor", 1.0) or 1.0))
+    rope = {"rope_type": "default", "rope_theta": float(g("rope_theta", 600000))}
+    n_layers = hf.num_hidden_layers
+    num_experts = int(g("num_experts", 0) or 0)
+    first_dense = int(g("first_k_dense_replace", 0) or 0)
+    moe_layers = tuple(i for i in range(n_layers) if num_experts > 1 and i >= first_dense)
+    score = g("score_function", None) or "softmax"
+    expert_bias = bool(g("moe_router_enable_expert_bias", False))
+    n_group, topk_group = int(g("n_group", 0) or 0), int(g("topk_group", 0) or 0)
+    if score not in ("sigmoid", "softmax"):
+        raise UnsupportedArchitectureError(f"bailing_moe_linear with score_function={score!r}")
+    if moe_layers and score == "softmax" and (expert_bias or n_group > 1):
+        raise UnsupportedArchitectureError("bailing_moe_linear softmax routing with groups or an expert bias "
+                                           "(the public ports disagree on it)")
+    if g("use_bias", False) and num_experts:
+        raise UnsupportedArchitectureError("bailing_moe_linear with use_bias=True (MLP biases) is not supported")
+    shared = int(g("num_shared_experts", 0) or 0)
+    moe_inter = int(g("moe_intermediate_size", 0) or 0)
+    if (heads * head_dim) % max(int(g("group_norm_size", 1) or 1), 1):
+        raise ConfigError("bailing_moe_linear: group_norm_size must divide num_attention_heads * head_dim")
+    params = BailingLinearParams(
+        num_attention_heads=heads, num_key_value_heads=int(g("num_key_value_heads") or heads), head_dim=head_dim,
+        rotary_dim=rotary_dim, rope_parameters=tuple(sorted(rope.items())), use_qk_norm=bool(g("use_qk_norm", False)),
+        linear_silu=bool(g("use_linear_silu", g("linear_silu", False))),
+        group_norm_size=max(int(g("group_norm_size", 1) or 1), 1),
+        qkv_bias=bool(g("use_bias", False) or g("use_qkv_bias", False)), dense_bias=bool(g("use_bias", False)),
+        intermediate_size=int(g("intermediate_size", 0) or 0), moe_layers=moe_layers, num_experts=num_experts,
+        num_experts_per_tok=int(g("num_experts_per_tok", 0) or 0), moe_intermediate_size=moe_inter,
+        shared_intermediate_size=(int(g("moe_shared_expert_intermediate_size", 0) or 0) or moe_inter) * shared,
+        score_function=score, expert_bias=expert_bias, n_group=n_group, topk_group=topk_group,
+        norm_topk_prob=bool(g("norm_topk_prob", True)), routed_scaling_factor=float(g("routed_scaling_factor", 1.0)),
+        norm_head=bool(g("norm_head", False)))
+    return bailing_layer_types(n_layers, int(g("layer_group_size", 1))), params
+
+
+@dataclass(frozen=True)
+class Lfm2Params:
+    """LFM2: gated short-convolution layers (no recurrent state, only a conv window) + GQA attention
+    with q/k RMSNorm and RoPE; SwiGLU MLP in every layer."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_parameters: tuple
+    conv_kernel: int                   # conv_L_cache
+    conv_bias: bool
+    intermediate_size: int             # after block_auto_adjust_ff_dim, as transformers builds it
+
+
+def _parse_lfm2(hf):
+    inter = hf.intermediate_size
+    if hf.block_auto_adjust_ff_dim:
+        inter = int(2 * inter / 3)
+        if hf.block_ffn_dim_multiplier is not None:
+            inter = int(hf.block_ffn_dim_multiplier * inter)
+            inter = hf.block_multiple_of * ((inter + hf.block_multiple_of - 1) // hf.block_multiple_of)
+    params = Lfm2Params(
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, rope_parameters=_rope(hf),
+        conv_kernel=hf.conv_L_cache, conv_bias=bool(hf.conv_bias), intermediate_size=inter)
+    return _layer_types(hf, {"conv": LINEAR}), params
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str          # hypic architecture: selects the model module (models/registry.py)
-    hf_type: str       # transformers model_type whose config class parses the dict
+    hf_type: str | None  # transformers model_type whose config class parses the dict (None: remote code)
     parse: Any         # hf config -> (layer_types, params)
 
 
@@ -350,6 +476,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "minimax": ArchSpec("minimax", "minimax", _parse_minimax),
     "nemotron_h": ArchSpec("nemotron_h", "nemotron_h", _parse_nemotron_h),
     "jamba": ArchSpec("jamba", "jamba", _parse_jamba),
+    "bailing_moe_linear": ArchSpec("bailing_moe_linear", None, _parse_bailing_linear),
+    "lfm2": ArchSpec("lfm2", "lfm2", _parse_lfm2),
 }
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
@@ -359,7 +487,6 @@ UNSUPPORTED: dict[str, str] = {
     "zamba2": "Mamba2 with shared attention blocks and LoRA adapters; not implemented yet",
     "zamba": "Mamba1 with a shared attention block; not implemented yet",
     "bailing_hybrid": "Ling 3.0 (KDA + MLA with RoPE); not implemented yet (its MLA keys need RoPE placement)",
-    "lfm2": "short-convolution layers only (no recurrent state): PIC would need a conv-only entry; not implemented",
     "olmo_hybrid": "Gated DeltaNet + attention; not implemented yet",
     "recurrent_gemma": "RG-LRU + local (sliding-window) attention: a windowed KV is not position independent",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",

@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random models of every supported architecture, built with transformers'
-own classes (the oracle), saved with save_pretrained and loaded by hypic.
+own classes (the oracle), saved with save_pretrained and loaded by hypic. Ring-linear
+(`bailing_moe_linear`) is not in transformers: its oracle is the independent reference forward in
+tests/ring_reference.py, which writes a checkpoint in the real layout the same way.
 
 fla, causal_conv1d and mamba_ssm are blocked before transformers is imported: they cannot run on a CPU and
 transformers would otherwise swap them in.
@@ -24,6 +26,8 @@ ARCHS = {
     "minimax": ("tiny-minimax", "MiniMaxForCausalLM"),
     "nemotron_h": ("tiny-nemotron-h", "NemotronHForCausalLM"),
     "jamba": ("tiny-jamba", "JambaForCausalLM"),
+    "bailing_moe_linear": ("tiny-ring-linear", None),          # None: tests/ring_reference.py
+    "lfm2": ("tiny-lfm2", "Lfm2ForCausalLM"),
 }
 
 
@@ -36,6 +40,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):
     preset, cls = ARCHS[arch]
     d = preset_config(preset)
     d.update(overrides)
+    if cls is None:
+        from .ring_reference import RingLinearReference
+
+        return RingLinearReference(d, seed)
     mt = d.pop("model_type")
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(AutoConfig.for_model(mt, **d)).eval()
@@ -47,12 +55,12 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.empty_like(p).uniform_(-2.0, 0.0))
             elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("conv1d.weight"):
+            elif name.endswith(("conv1d.weight", "conv.conv.weight")):
                 p.mul_(3.0)
             elif name.endswith((".mixer.D", ".mamba.D")):   # Mamba's skip: small, so the state path shows
                 p.copy_(torch.randn_like(p) * 0.1)
-            elif name.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight")):   # Mamba's x, B, C at O(1)
-                p.mul_(5.0)
+            elif name.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight", "conv.in_proj.weight")):
+                p.mul_(5.0)                        # Mamba's x, B, C (and LFM2's B, C, x) at O(1)
     return model
 
 

@@ -4,8 +4,9 @@ them: each segment's seam [0, w) forwarded in context and its isolated summary o
 from positions 0..L-1 and a zero state) applied in between.
 
 Parametrized over families (dense: Gated DeltaNet, KDA; scalar: lightning, Mamba2; diagonal:
-Mamba1; RoPE'd lightning), shapes (heads, key / value dims, value heads per key head), seams and segment lengths
-down to 1 (shorter than the conv window, and chains of such segments).
+Mamba1; RoPE'd lightning, MiniMax layout and Ring-linear's), shapes (heads, key / value dims,
+value heads per key head), seams and segment lengths down to 1 (shorter than the conv window,
+and chains of such segments); LFM2's short conv (no state) has its own window-chain test.
 
 Tolerances: fp32 everywhere; the composed and the sequential state differ only in summation
 order (chunk boundaries move, S(C|0) = S_out - T S_in subtracts), observed ~1e-7 relative; we
@@ -59,6 +60,19 @@ def _lightning(h, r, dk, dv, rope=False):
     return cfg, layer
 
 
+def _ring(h, r, dk, dv):
+    """Ring-linear's layer: fused qkv, q/k norm, partial RoPE (half the head), group-normed output."""
+    from hypic.layers.lightning import BailingLinearAttention
+    from hypic.layers.rope import Rotary
+
+    cfg = ModelConfig.from_dict(dict(preset_config("tiny-ring-linear"), num_attention_heads=h, head_dim=dk,
+                                     group_norm_size=1))
+    p = cfg.params
+    layer = BailingLinearAttention(cfg, 0, OPS, Rotary(cfg, p.rotary_dim, dict(p.rope_parameters)))
+    layer.slopes = torch.empty(h).uniform_(0.005, 0.05)          # slow decays: T far from 0
+    return cfg, layer
+
+
 def _mamba2(h, r, dk, dv):
     from hypic.layers.mamba2 import Mamba2Mixer
 
@@ -86,14 +100,14 @@ def _mamba1(h, r, dk, dv):
 
 
 FAMILIES = {"gdn": _gdn, "kda": _kda, "lightning": _lightning, "mamba2": _mamba2, "mamba1": _mamba1,
-            "lightning_rope": lambda *a: _lightning(*a, rope=True)}
+            "lightning_rope": lambda *a: _lightning(*a, rope=True), "ring_linear": _ring}
 SHAPES = [(1, 1, 8, 8), (2, 2, 16, 8), (2, 1, 4, 12)]       # (key heads, value heads per key head, K, V)
 
 
 def _layer(family, shape, seed=0):
     torch.manual_seed(seed)
     h, r, dk, dv = shape
-    if family in ("kda", "lightning", "lightning_rope"):
+    if family in ("kda", "lightning", "lightning_rope", "ring_linear"):
         r, dv = 1, dk                                          # one head count, K == V in these families
     cfg, layer = FAMILIES[family](h, r, dk, dv)
     with torch.no_grad():
@@ -194,3 +208,40 @@ def test_rope_state_needs_the_rotation():
     layer.key_rotation = lambda offset: None
     unrotated, _ = _compose(layer, x, lengths, seam=2)
     assert (unrotated.rec - ref).norm() / ref.norm() > 0.1
+
+
+def test_ring_state_needs_the_rotation():
+    """Ring-linear's layer (partial RoPE on keys): composition with S' = R(start) S is exact, without
+    the rotation it is far off."""
+    cfg, layer = _layer("ring_linear", (2, 1, 16, 16))
+    lengths = [20, 25, 30]
+    x = torch.randn(sum(lengths), cfg.hidden_size)
+    _, ref, _ = _forward(layer, [("run", list(range(x.shape[0])))], x)
+    ref = ref.layers[layer.layer_idx].rec
+    rotated, _ = _compose(layer, x, lengths, seam=2)
+    assert (rotated.rec - ref).norm() / ref.norm() < 1e-5
+    layer.key_rotation = lambda offset: None
+    unrotated, _ = _compose(layer, x, lengths, seam=2)
+    assert (unrotated.rec - ref).norm() / ref.norm() > 0.1
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 1, 5], [2, 2, 2], [3, 40, 1, 17], [10]])
+@pytest.mark.parametrize("seam", [0, 1, 2, 3])
+def test_short_conv_window_chain(seam, lengths):
+    """LFM2's gated short conv keeps no recurrent state: its PIC is the conv warm-up alone. The window
+    handed on through seams and cached tails equals the sequential one for every seam and segment
+    length (shorter than the window, chains of such segments), and an entry stores no state: its
+    T and S are empty, only the conv tail has bytes."""
+    from hypic.layers.short_conv import ShortConv
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_dict(preset_config("tiny-lfm2"))
+    layer = ShortConv(cfg, 0, OPS).eval()
+    x = torch.randn(sum(lengths), cfg.hidden_size)
+    _, ref, _ = _forward(layer, [("run", list(range(x.shape[0])))], x)
+    got, entries = _compose(layer, x, lengths, seam)
+    torch.testing.assert_close(got.conv, ref.layers[0].conv, atol=0, rtol=0)
+    for w, n, part in entries:
+        if part is not None:
+            assert part.T.t.numel() == 0 and part.S.numel() == 0
+            assert part.nbytes == part.tail.element_size() * part.tail.numel()

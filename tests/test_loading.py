@@ -75,6 +75,7 @@ def test_unsupported_layer_type(hf_checkpoints, tmp_path):
 @pytest.mark.parametrize("arch,field,value,name", [
     ("nemotron_h", "layers_block_type", ["mamba", "moe", "attention"], "moe"),
     ("kimi_linear", "layer_types", ["linear_attention", "sliding_attention"], "sliding_attention"),
+    ("lfm2", "layer_types", ["conv", "sliding_attention"], "sliding_attention"),
     ("jamba", None, None, None),
 ])
 def test_unsupported_layer_type_names_the_type(arch, field, value, name):
@@ -82,13 +83,16 @@ def test_unsupported_layer_type_names_the_type(arch, field, value, name):
     from hypic.config import ModelConfig
     from hypic.models.presets import preset_config
 
-    presets = {"nemotron_h": "tiny-nemotron-h", "kimi_linear": "tiny-kimi-linear", "jamba": "tiny-jamba"}
+    presets = {"nemotron_h": "tiny-nemotron-h", "kimi_linear": "tiny-kimi-linear", "jamba": "tiny-jamba",
+               "lfm2": "tiny-lfm2"}
     d = preset_config(presets[arch])
     if field is None:                                       # the preset itself parses
         assert ModelConfig.from_dict(d).arch == arch
         return
     d[field] = value
     d.pop("num_hidden_layers", None)
+    if arch == "lfm2":
+        d["num_hidden_layers"] = len(value)
     if arch == "kimi_linear":
         d["num_hidden_layers"] = len(value)
         d["mlp_layer_types"] = ["dense"] * len(value)
@@ -174,3 +178,39 @@ def test_real_size_presets_parse():
     assert c.params.rotary_dim == 64 and c.params.num_experts == 256 and len(c.params.moe_layers) == 40
     n = ModelConfig.from_dict(preset_config("qwen3-next-80b-a3b"))
     assert n.num_layers == 48 and len(n.attention_layers) == 12 and n.params.num_experts == 512
+
+
+def test_ring_linear_config_and_layout(hf_checkpoints, tmp_path):
+    """bailing_moe_linear: the real Ring-mini config parses (every 5th layer full, layer 0 dense); the
+    tail of a stack that is not a whole number of groups is full attention; the checkpoint's
+    alternative names load to the same model (vLLM's e_score_correction_bias, dropped MTP tensors)."""
+    from safetensors.torch import load_file
+
+    from hypic.config import FULL, ModelConfig, bailing_layer_types
+    from hypic.models.presets import preset_config
+
+    c = ModelConfig.from_dict(preset_config("ring-mini-linear-2.0"))
+    assert c.attention_layers == (4, 9, 14, 19) and len(c.linear_layers) == 16
+    assert c.params.moe_layers == tuple(range(1, 20)) and c.params.rotary_dim == 64
+    assert [i for i, t in enumerate(bailing_layer_types(22, 5)) if t == FULL] == [4, 9, 14, 19, 20, 21]
+    _, path = hf_checkpoints["bailing_moe_linear"]
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    sd = load_file(str(path / "model.safetensors"))
+    renamed = {k.replace("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"): v for k, v in sd.items()}
+    renamed["model.mtp.layers.0.weight"] = torch.zeros(2)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    ids = rand_ids(20, 3)
+    torch.testing.assert_close(_reference_logits(tmp_path, ids), _reference_logits(path, ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("field,value,name", [
+    ("rope_scaling", {"type": "yarn", "factor": 4.0}, "rope_scaling"),
+    ("score_function", "tanh", "tanh"),
+])
+def test_ring_linear_unsupported_values_are_named(field, value, name):
+    from hypic.config import ModelConfig
+    from hypic.models.presets import preset_config
+
+    d = dict(preset_config("tiny-ring-linear"), **{field: value})
+    with pytest.raises(UnsupportedArchitectureError, match=name):
+        ModelConfig.from_dict(d)

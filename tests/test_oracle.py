@@ -1,5 +1,6 @@
 """Invariant 7: hypic's `full` mode equals transformers' own implementation of the same
-architecture with the same random weights (prefill logits and several decode steps).
+architecture with the same random weights (prefill logits and several decode steps). For
+Ring-linear (`bailing_moe_linear`, not in transformers) the oracle is tests/ring_reference.py.
 
 Bound: max |logit difference| <= 1e-4 (fp32; observed ~3e-7). The decode-step oracle is
 transformers' forward over prompt + generated tokens (teacher forcing, no cache): its

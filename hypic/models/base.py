@@ -54,10 +54,10 @@ class CausalLM(nn.Module):
             for name, p in self.named_parameters():
                 if self.dummy_init(name, p, generator):
                     continue
-                if name.endswith("conv1d.weight"):
+                if name.endswith(("conv1d.weight", "conv.conv.weight")):
                     bound = 1.0 / p.shape[-1] ** 0.5
                     p.copy_(torch.empty(p.shape, device=p.device).uniform_(-bound, bound, generator=generator))
-                elif name.endswith("conv1d.bias"):
+                elif name.endswith(("conv1d.bias", "conv.conv.bias")):
                     p.zero_()
                 elif p.dim() == 1 and "norm" in name:
                     p.fill_(1.0)

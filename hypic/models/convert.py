@@ -133,3 +133,23 @@ def jamba(tensors: dict, cfg: ModelConfig) -> dict:
     """Per-expert feed_forward.experts.{e}.{gate,up,down}_proj -> fused 3-D tensors."""
     t = _rename(tensors, [(r"\.feed_forward\.experts\.", ".mlp.experts.")])
     return _rename(_common(t, cfg), [(r"\.mlp\.experts\.", ".feed_forward.experts.")])
+
+
+def bailing_moe_linear(tensors: dict, cfg: ModelConfig) -> dict:
+    """Ring-linear checkpoint layout: model.word_embeddings, model.layers.{i}.{attention.*, mlp.*},
+    per-expert mlp.experts.{e}.{gate,up,down}_proj (fused here), mlp.gate.expert_bias (vLLM also
+    accepts e_score_correction_bias). MTP layers and buffers (inv_freq, slopes) are dropped;
+    `norm_head` checkpoints get their lm_head normalised per hidden column, as the ports do."""
+    t = {k: v for k, v in tensors.items()
+         if not re.match(r"^model\.mtp\.", k) and not re.search(r"(inv_freq|slope|slope_rate)$", k)}
+    t = _rename(t, [(r"^model\.word_embeddings\.", "model.embed_tokens."),
+                    (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.gate.expert_bias")])
+    if cfg.params.norm_head and "lm_head.weight" in t:
+        w = t["lm_head.weight"]
+        t["lm_head.weight"] = (w.float() / (w.float().norm(dim=0, keepdim=True) + 1e-7)).to(w.dtype)
+    return _common(t, cfg)
+
+
+def lfm2(tensors: dict, cfg: ModelConfig) -> dict:
+    """transformers' Lfm2ForCausalLM layout as saved (no renames)."""
+    return _common(tensors, cfg)

@@ -65,6 +65,27 @@ PRESETS: dict[str, dict] = {
         mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=65536, rms_norm_eps=1e-6,
         tie_word_embeddings=False, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # Ring-linear: layers 2 and 5 full attention (layer_group_size 3), layer 0 a dense MLP, MoE with
+    # sigmoid scores, expert bias and 2 groups; the real checkpoint's config names.
+    "tiny-ring-linear": dict(
+        model_type="bailing_moe_linear", vocab_size=320, hidden_size=64, num_hidden_layers=6, layer_group_size=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=10000.0,
+        use_qk_norm=True, linear_silu=False, group_norm_size=2, use_bias=False,
+        use_qkv_bias=False, intermediate_size=128, first_k_dense_replace=1, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, num_shared_experts=1, moe_shared_expert_intermediate_size=32,
+        score_function="sigmoid", moe_router_enable_expert_bias=True, n_group=2, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=65536, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, eos_token_id=256, initializer_range=0.02,
+    ),
+    # LFM2: conv, conv, attention, conv, conv, attention (conv window 3), tied embeddings.
+    "tiny-lfm2": dict(
+        model_type="lfm2", vocab_size=320, hidden_size=64, num_hidden_layers=6,
+        layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=192, block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.0, block_multiple_of=32, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=65536,
+        tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # A larger CPU preset for benchmarks (still random weights, still the built-in tokenizer).
     "small-qwen3.5": dict(_tiny("qwen3_5_text", intermediate_size=1024), hidden_size=256, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,
@@ -90,6 +111,18 @@ PRESETS: dict[str, dict] = {
         norm_topk_prob=True, max_position_embeddings=262144, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         tie_word_embeddings=False, initializer_range=0.02, eos_token_id=151645,
+    ),
+    # Ring-mini-linear-2.0's config.json (inclusionAI; as quoted in public ports), for dummy weights.
+    "ring-mini-linear-2.0": dict(
+        model_type="bailing_moe_linear", vocab_size=157184, hidden_size=2048, num_hidden_layers=20,
+        layer_group_size=5, num_attention_heads=16, num_key_value_heads=4, head_dim=128, partial_rotary_factor=0.5,
+        rope_theta=1000000, rope_scaling=None, use_qk_norm=True, linear_silu=False, group_norm_size=4,
+        use_bias=False, use_qkv_bias=False, intermediate_size=5120, first_k_dense_replace=1, num_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=512, num_shared_experts=1,
+        moe_shared_expert_intermediate_size=512, score_function="sigmoid", moe_router_enable_expert_bias=True,
+        n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, router_dtype="fp32",
+        max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=156892,
+        pad_token_id=156892, initializer_range=0.02,
     ),
 }
 TINY_TOKENIZER_PRESETS = {name for name in PRESETS if name.startswith(("tiny-", "small-"))}

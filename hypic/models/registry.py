@@ -14,6 +14,9 @@ _MODELS = {
     "minimax": ("hypic.models.minimax", "MiniMaxForCausalLM", "hypic.models.convert", "minimax"),
     "nemotron_h": ("hypic.models.nemotron_h", "NemotronHForCausalLM", "hypic.models.convert", "nemotron_h"),
     "jamba": ("hypic.models.jamba", "JambaForCausalLM", "hypic.models.convert", "jamba"),
+    "bailing_moe_linear": ("hypic.models.bailing_moe_linear", "BailingMoeLinearForCausalLM", "hypic.models.convert",
+                           "bailing_moe_linear"),
+    "lfm2": ("hypic.models.lfm2", "Lfm2ForCausalLM", "hypic.models.convert", "lfm2"),
 }
 
 
