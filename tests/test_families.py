@@ -195,6 +195,62 @@ def test_naive_addition_is_wrong_and_storage_matches_the_form(family):
     assert t.t.shape == {Form.SCALAR: (h,), Form.DIAGONAL: (h, k), Form.DENSE: (h, k, k)}[layer.form]
 
 
+@pytest.mark.parametrize("family,dims", [("lightning_rope", (2, 1, 8, 8)), ("ring_linear", (2, 1, 16, 16))])
+def test_rope_state_needs_the_rotation(family, dims):
+    """RoPE'd lightning (MiniMax layout with rotated keys; Ring-linear's partial RoPE): the summary is
+    stored at segment position 0; composition with S' = R(start) S is exact, and without the rotation
+    it is far off (so the rotation tests above can fail)."""
+    cfg, layer = _layer(family, dims)
+    lengths = [20, 25, 30]
+    x = torch.randn(sum(lengths), cfg.hidden_size)
+    _, ref, _ = _forward(layer, [("run", list(range(x.shape[0])))], x)
+    ref = ref.layers[layer.layer_idx].rec
+    rotated, _ = _compose(layer, x, lengths, seam=2)
+    assert (rotated.rec - ref).norm() / ref.norm() < 1e-5
+    layer.key_rotation = lambda offset: None
+    unrotated, _ = _compose(layer, x, lengths, seam=2)
+    assert (unrotated.rec - ref).norm() / ref.norm() > 0.1
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 1, 5], [2, 2, 2], [3, 40, 1, 17], [10]])
+@pytest.mark.parametrize("seam", [0, 3, 4])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_layer_compose_equals_sequential(family, shape, seam, lengths):
+    """Exact whenever the cached part's conv warm-up lies inside the segment (w >= W-1, or no conv);
+    for w < W-1 only the conv window chain is exact (docs/algorithm.md section 5), and the test
+    checks that alone. Segments shorter than the window and chains of them are included."""
+    cfg, layer = _layer(family, shape)
+    x = torch.randn(sum(lengths), cfg.hidden_size)
+    _, ref, _ = _forward(layer, [("run", list(range(x.shape[0])))], x)
+    ref = ref.layers[layer.layer_idx]
+    got, _ = _compose(layer, x, lengths, seam)
+    if layer.conv_width:
+        torch.testing.assert_close(got.conv, ref.conv, atol=1e-6, rtol=1e-6)
+    if not layer.conv_width or seam >= layer.conv_width - 1:
+        rel = (got.rec - ref.rec).norm() / ref.rec.norm()
+        assert rel < 1e-5, rel
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_naive_addition_is_wrong_and_storage_matches_the_form(family):
+    """The straw man for every family: state + S instead of T @ state + S, on the same inputs where
+    T composition is exact. And each form stores only its own size: scalar [H], dense [H, K, K]."""
+    cfg, layer = _layer(family, (2, 2, 8, 8))
+    lengths = [40, 30, 50]
+    x = torch.randn(sum(lengths), cfg.hidden_size)
+    _, ref, _ = _forward(layer, [("run", list(range(x.shape[0])))], x)
+    ref = ref.layers[layer.layer_idx].rec
+    exact, entries = _compose(layer, x, lengths, seam=4)
+    naive, _ = _compose(layer, x, lengths, seam=4, exact=False)
+    assert (exact.rec - ref).norm() / ref.norm() < 1e-5
+    assert (naive.rec - ref).norm() / ref.norm() > 0.1
+    h, k, v = layer.state_shape
+    t = entries[0][2].T
+    assert t.form is layer.form
+    assert t.t.shape == {Form.SCALAR: (h,), Form.DIAGONAL: (h, k), Form.DENSE: (h, k, k)}[layer.form]
+
+
 def test_rope_state_needs_the_rotation():
     """RoPE'd lightning: the summary is stored at segment position 0; without rotating it to the
     segment's start (S' = R S), composition is wrong. Shows the rotation test above can fail."""

@@ -63,34 +63,33 @@ def _cu(cu_seqlens, device):
     return hit
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                 use_qk_l2norm_in_kernel):
+    """fla's chunk (which=0) or fused recurrent (which=1) kernel on CUDA, else the reference twin."""
     kern = _fla() if q.is_cuda else None
     if kern is None:
-        return ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        fn = (ref.chunk_gated_delta_rule, ref.recurrent_gated_delta_rule)[which]
+        return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     cu, cu_cpu, chunks = _cu(cu_seqlens, q.device)
+    extra = dict(cu_seqlens_cpu=cu_cpu, chunk_indices=chunks) if which == 0 else {}
     init = None if initial_state is None else initial_state.float().contiguous()
-    o, final = kern[0](q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=init,
-                       output_final_state=output_final_state, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
-                       chunk_indices=chunks, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    o, final = kern[which](q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=init,
+                           output_final_state=output_final_state, cu_seqlens=cu,
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **extra)
     return o.to(v.dtype), final
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    return _gated_delta(0, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                        use_qk_l2norm_in_kernel)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-    kern = _fla() if q.is_cuda else None
-    if kern is None:
-        return ref.recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    cu, _, _ = _cu(cu_seqlens, q.device)
-    init = None if initial_state is None else initial_state.float().contiguous()
-    o, final = kern[1](q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=init,
-                       output_final_state=output_final_state, cu_seqlens=cu,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return o.to(v.dtype), final
+    return _gated_delta(1, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                        use_qk_l2norm_in_kernel)
 
 
 def causal_conv1d(x, weight, bias=None, *, window=None, activation: str | None = "silu"):
