@@ -90,6 +90,31 @@ def ceilings():
     return bw, rate
 
 
+def quick(llm, args, ids, ttft, res):
+    """Warm pic TTFT with the one-call readout walk and with the 3-phase walk, side by side."""
+    from hypic.layers.gdn import GatedDeltaNet
+
+    segs = [ids(args.seg_len) for _ in range(args.segments)]
+    query = ids(args.query)
+    llm.set_policy("pic", 8)
+    ttft(Prompt(segments=segs, query=query))
+    out = {}
+    for name, flag in (("readout (1 kernel call)", True), ("3-phase (2 kernel calls)", False),
+                       ("readout again", True)):
+        GatedDeltaNet.readout = flag
+        ts = []
+        for r in range(6):
+            order = list(range(args.segments))
+            random.Random(r + 1).shuffle(order)
+            ts.append(ttft(Prompt(segments=[segs[i] for i in order], query=query))[0])
+        out[name] = statistics.median(ts[1:])
+        print(f"warm pic, {name}: {out[name] * 1e3:.1f} ms  {[round(t * 1e3, 1) for t in ts]}", flush=True)
+    GatedDeltaNet.readout = True
+    res["quick"] = out
+    (Path(args.out)).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_bench_quick.json").write_text(json.dumps(res, indent=1, default=str))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="8192,32768")
@@ -99,6 +124,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers (a quick run); 0: the real 40")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="only the warm pic request, readout walk vs 3-phase walk")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of a warm pic request and a full prefill")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--preset", default="qwen3.5-35b-a3b")
@@ -168,6 +194,9 @@ def main():
         sync()
         return time.perf_counter() - t0, o
 
+    if args.quick:
+        quick(llm, args, ids, ttft, res)
+        return
     res["full_prefill"] = {}
     llm.set_policy("full", 0)
     for n in sizes:

@@ -20,6 +20,7 @@ from .norm import RMSNormGated
 
 class GatedDeltaNet(LinearMixer):
     form = Form.DENSE
+    readout = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
         super().__init__(layer_idx, ops)
@@ -52,11 +53,11 @@ class GatedDeltaNet(LinearMixer):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)   # [N, HV] fp32
         return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(self.in_proj_b(x))}
 
-    def kernel(self, f, conv_out, idx, init, cu, summarize):
+    def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False):
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.reshape(-1, self.h, self.dk), k.reshape(-1, self.h, self.dk), v.reshape(-1, self.hv, self.dv)
         fn = self.ops.recurrent_gated_delta_rule if int((cu[1:] - cu[:-1]).max()) == 1 else self.ops.chunk_gated_delta_rule
-        return dense_summary_kernel(fn, q, k, v, init, cu, summarize, g=f["g"][None, idx], beta=f["beta"][None, idx],
+        return dense_summary_kernel(fn, q, k, v, init, cu, summarize, readout, g=f["g"][None, idx], beta=f["beta"][None, idx],
                                     use_qk_l2norm_in_kernel=True)
 
     def output(self, x, o, f):

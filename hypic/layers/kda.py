@@ -35,6 +35,7 @@ class ForgetGate(nn.Module):
 
 class KimiDeltaAttention(LinearMixer):
     form = Form.DENSE
+    readout = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
         super().__init__(layer_idx, ops)
@@ -68,10 +69,10 @@ class KimiDeltaAttention(LinearMixer):
         return {"raw": raw, "g": self.forget_gate(x), "beta": torch.sigmoid(self.b_proj(x)),
                 "gate": self.g_b_proj(self.g_a_proj(x))}
 
-    def kernel(self, f, conv_out, idx, init, cu, summarize):
+    def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False):
         q, k, v = (t.reshape(-1, self.h, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
         fn = self.ops.recurrent_kda if int((cu[1:] - cu[:-1]).max()) == 1 else self.ops.chunk_kda
-        return dense_summary_kernel(fn, q, k, v, init, cu, summarize, g=f["g"][None, idx], beta=f["beta"][None, idx],
+        return dense_summary_kernel(fn, q, k, v, init, cu, summarize, readout, g=f["g"][None, idx], beta=f["beta"][None, idx],
                                     use_qk_l2norm_in_kernel=True)
 
     def output(self, x, o, f):

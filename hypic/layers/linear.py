@@ -28,6 +28,7 @@ from ..runtime.state import LinearState
 
 class LinearMixer(nn.Module):
     form: Form                       # the family's transition form
+    readout: bool = False            # kernel(..., readout=True) gives u_t (dense families; dense_summary_kernel)
     conv_width: int = 0              # W of the short causal conv over "raw" (0: no conv)
     conv_activation: str | None = "silu"
 
@@ -90,7 +91,10 @@ class LinearMixer(nn.Module):
                 seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)
         if batch.walk == "phased" and _phased_ok(batch):           # (batches without cached segments walk
                                                                     # in rounds: one call per run of a sequence)
-            out = self._forward_phased(x, f, batch)
+            if self.readout and batch.exact_transition:
+                out = self._forward_readout(x, f, batch)
+            else:
+                out = self._forward_phased(x, f, batch)
         else:
             out = self._forward_rounds(x, f, batch)
         if out is None:                                   # no runs: no active tokens, nothing to output
@@ -199,6 +203,64 @@ class LinearMixer(nn.Module):
             st.rec = finals_after[last[0]]
             for p in seq.pieces[last[1] + 1:]:
                 self.apply_entry(st, p, batch.exact_transition, conv=False)
+        return out
+
+    def _forward_readout(self, x, f, batch):
+        """The compose pass in one kernel call (dense families with readout): every run summarized from
+        zero with its per-token readout u_t; every sequence's chain (runs and cached segments) folded
+        in one scan; each run's outputs corrected by its true initial state: o_t = o_t(0) + S0^T u_t.
+        Equal to `_forward_rounds` up to rounding (tests/test_fast.py)."""
+        from ..compose.scan import scan_dense
+
+        L = self.layer_idx
+        seqs = batch.seqs
+        runs = [(seq, p) for seq in seqs for p in seq.pieces if isinstance(p, Run)]
+        lens = [p.n for _, p in runs]
+        cu = torch.tensor([0] + lens).cumsum(0)
+        conv_out, tails = (None, {})
+        if self.conv_width:
+            conv_out, tails = self._conv_phased(runs, f["raw"], cu)
+        idx = _rows([p for _, p in runs], x.device)
+        h, kk, vv = self.state_shape
+        zeros = torch.zeros(len(runs), h, kk, vv, device=x.device)
+        o0, u, S, ts = self.kernel(f, conv_out, idx, zeros, cu, True, readout=True)
+        # every sequence's maps in order; a run's initial state is the state before its map
+        Ts, Ss, cu_maps, at, i = [], [], [0], [], 0
+        for seq in seqs:
+            for p in seq.pieces:
+                if isinstance(p, Run):
+                    at.append(len(Ts))
+                    Ts.append(ts[i].t)
+                    Ss.append(S[i])
+                    i += 1
+                else:
+                    e = p.entry.layers[L]
+                    Ts.append(e.T.t)
+                    Ss.append(e.S)
+            cu_maps.append(len(Ts))
+        init = torch.stack([seq.state.layers[L].rec for seq in seqs])
+        before, final = scan_dense(init, torch.stack(Ts), torch.stack(Ss), cu_maps)
+        s0 = before[at]                                                  # [R, H, K, V]
+        # o = o(0) + S0^T u, the runs padded to the longest for one batched product
+        lmax = max(lens)
+        run_of = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(lens)).to(x.device)
+        pos = (torch.arange(sum(lens)) - torch.repeat_interleave(cu[:-1], torch.tensor(lens))).to(x.device)
+        up = u.new_zeros(len(runs), lmax, h, kk)
+        up[run_of, pos] = u
+        corr = torch.einsum("rlhk,rhkv->rlhv", up.float(), s0)[run_of, pos]
+        out = (o0.float() + corr).to(o0.dtype)
+        if not (isinstance(idx, slice) and idx == slice(0, x.shape[0])):
+            full = out.new_zeros((x.shape[0],) + tuple(out.shape[1:]))
+            full[idx] = out
+            out = full
+        for r, (seq, run) in enumerate(runs):
+            if run.summarize:
+                run.captures[L] = LinearSummary(ts[r], S[r].clone(), tails.get(r))
+            if run.mark:
+                after = ts[r].apply(s0[r]) + S[r]
+                run.captures[L] = LinearState(after, tails.get(("window", r)))
+        for n, seq in enumerate(seqs):
+            seq.state.layers[L].rec = final[n]
         return out
 
     def _conv_phased(self, runs, raw, cu_all):
@@ -382,8 +444,14 @@ def _phased_ok(batch) -> bool:
     return applies
 
 
-def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, **kw):
-    """Run a delta-rule kernel; with `summarize`, through the appended-identity trick (dense T)."""
+def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, readout: bool = False, **kw):
+    """Run a delta-rule kernel; with `summarize`, through the appended-identity trick (dense T).
+
+    readout (with summarize, from zero initial states): also return u_t = X_t^T q_t, the outputs of the
+    appended columns (X_t: the transition from the run's start to t). A run started from S0 instead
+    outputs o_t = o_t(0) + S0^T u_t, since S_t = X_t S0 + S_t(0): one kernel call gives every run's
+    summary and, once its true initial state is known, its outputs (LinearMixer._forward_readout).
+    Returns (o, final, transitions) or, with readout, (o, u, final, transitions)."""
     from ..compose.transition import augment, split_augmented
 
     dv, dk = v.shape[-1], k.shape[-1]
@@ -391,6 +459,9 @@ def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, **kw):
     if summarize:
         v, init_in = augment(v, init, dk)
     o, final = fn(q=q[None], k=k[None], v=v[None], initial_state=init_in, output_final_state=True, cu_seqlens=cu, **kw)
+    if readout:
+        final, ts = split_augmented(final, dv)
+        return o[0, ..., :dv], o[0, ..., dv:], final, ts
     o = o[0, ..., :dv]
     if not summarize:
         return o, final, None
