@@ -24,6 +24,8 @@ ARCHS = {
     "minimax": ("tiny-minimax", "MiniMaxForCausalLM"),
     "nemotron_h": ("tiny-nemotron-h", "NemotronHForCausalLM"),
     "jamba": ("tiny-jamba", "JambaForCausalLM"),
+    "llama": ("tiny-llama", "LlamaForCausalLM"),
+    "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }
 
 
@@ -53,6 +55,8 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) * 0.1)
             elif name.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight")):   # Mamba's x, B, C at O(1)
                 p.mul_(5.0)
+            elif arch in ("llama", "qwen2") and name.endswith("bias"):   # zero at init: make them count
+                p.copy_(torch.randn_like(p) * 0.1)
     return model
 
 

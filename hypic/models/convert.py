@@ -133,3 +133,9 @@ def jamba(tensors: dict, cfg: ModelConfig) -> dict:
     """Per-expert feed_forward.experts.{e}.{gate,up,down}_proj -> fused 3-D tensors."""
     t = _rename(tensors, [(r"\.feed_forward\.experts\.", ".mlp.experts.")])
     return _rename(_common(t, cfg), [(r"\.mlp\.experts\.", ".feed_forward.experts.")])
+
+
+def transformer(tensors: dict, cfg: ModelConfig) -> dict:
+    """Llama / Qwen2: transformers' names as they are; old checkpoints' `rotary_emb.inv_freq`
+    buffers are dropped (hypic derives the frequencies from the config)."""
+    return _common({k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}, cfg)

@@ -14,6 +14,8 @@ _MODELS = {
     "minimax": ("hypic.models.minimax", "MiniMaxForCausalLM", "hypic.models.convert", "minimax"),
     "nemotron_h": ("hypic.models.nemotron_h", "NemotronHForCausalLM", "hypic.models.convert", "nemotron_h"),
     "jamba": ("hypic.models.jamba", "JambaForCausalLM", "hypic.models.convert", "jamba"),
+    "llama": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
+    "qwen2": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
 }
 
 
