@@ -43,9 +43,22 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
-    print(json.dumps({"model": Path(a.model).name, "set": a.set, "i": a.i, "format": a.format, "tokens": len(ids),
-                      "max_abs_logsoftmax_diff": float((ours - ref).abs().max()),
-                      "argmax_agreement": float((ref.argmax(-1) == torch.tensor(top)).float().mean())}))
+    res = {"model": Path(a.model).name, "set": a.set, "i": a.i, "format": a.format, "tokens": len(ids),
+           "max_abs_logsoftmax_diff": float((ours - ref).abs().max()),
+           "argmax_agreement": float((ref.argmax(-1) == torch.tensor(top)).float().mean())}
+    # invariants 2 and 3 of hypic.md on trained weights (next-token logits after the query):
+    # a seam covering every segment, and one segment at position 0 with seam 0, equal full recompute
+    def logits(mode, seam, p):
+        llm.set_policy(mode, seam)
+        return llm.next_token_logits(p)
+
+    full = logits("full", 0, prompt)
+    longest = max(len(llm.tokenizer.encode(x)) for x in row["segments"])
+    res["inv2_seam_covers_all_max_abs_logit_diff"] = float((logits("pic", longest, prompt) - full).abs().max())
+    one = Prompt(segments=["".join(row["segments"])], query=query)
+    res["inv3_one_segment_seam0_max_abs_logit_diff"] = float((logits("pic", 0, one) - logits("full", 0, one)).abs().max())
+    res["pic_seam0_max_abs_logit_diff"] = float((logits("pic", 0, prompt) - full).abs().max())   # for scale
+    print(json.dumps(res))
 
 
 if __name__ == "__main__":
