@@ -458,6 +458,44 @@ def _parse_lfm2(hf):
 
 
 @dataclass(frozen=True)
+class TransformerParams:
+    """Plain decoder-only transformers (Llama, Qwen2): every layer is full attention with RoPE,
+    SwiGLU MLP, plain RMSNorm. A hybrid with no linear layers: PIC reduces to per-segment
+    pre-RoPE K/V reuse plus the seam window."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_parameters: tuple
+    qkv_bias: bool
+    o_bias: bool
+    intermediate_size: int
+    mlp_bias: bool
+
+
+def _parse_transformer(arch):
+    def parse(hf):
+        g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
+        if g("hidden_act", "silu") != "silu":
+            raise UnsupportedArchitectureError(f"{arch} with hidden_act={g('hidden_act')!r} (only silu)")
+        types = tuple(g("layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
+        if g("use_sliding_window", False) or any(t != FULL for t in types):
+            # a windowed KV is not position independent (and not implemented)
+            raise UnsupportedArchitectureError(f"{arch} with sliding-window attention layers is not supported")
+        if arch == "qwen2":                  # q/k/v always carry a bias, o_proj never
+            qkv_bias, o_bias, mlp_bias = True, False, False
+        else:                                # llama: one flag for the four projections
+            qkv_bias = o_bias = bool(g("attention_bias", False))
+            mlp_bias = bool(g("mlp_bias", False))
+        params = TransformerParams(
+            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+            head_dim=g("head_dim") or hf.hidden_size // hf.num_attention_heads, rope_parameters=_rope(hf),
+            qkv_bias=qkv_bias, o_bias=o_bias, intermediate_size=hf.intermediate_size, mlp_bias=mlp_bias)
+        return types, params
+    return parse
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str          # hypic architecture: selects the model module (models/registry.py)
     hf_type: str | None  # transformers model_type whose config class parses the dict (None: remote code)
@@ -478,6 +516,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "jamba": ArchSpec("jamba", "jamba", _parse_jamba),
     "bailing_moe_linear": ArchSpec("bailing_moe_linear", None, _parse_bailing_linear),
     "lfm2": ArchSpec("lfm2", "lfm2", _parse_lfm2),
+    # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
+    "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
+    "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),
 }
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).

@@ -32,6 +32,43 @@ def parse_mode(m: str) -> tuple[str, int]:
     return name, int(seam) if seam else 8
 
 
+CHAT_INSTRUCTION = ("Answer the question using the documents below. Reply with the answer only "
+                    "(a name, number or short phrase), no explanation.\n\n")
+_SLOT = "\x00DOCS\x00"
+
+
+def chat_spans(tokenizer, row, lead: str = "") -> tuple[str, str, str]:
+    """--format chat, for instruct models: the documents sit inside one user turn of the model's own
+    chat template. The template is rendered once around a placeholder and split there, so the prefix
+    (template head + instruction) and the query (question + template tail, up to the assistant's
+    turn) are the template's exact text; every document is still its own PIC segment. `lead` starts
+    the assistant's reply (e.g. "Answer:"), so that a chatty model puts the answer first.
+    -> (prefix, query, gold continuation text without the end-of-turn token)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SLOT}], add_generation_prompt=True)
+    head, tail = text.split(_SLOT)
+    question = row["query"].removesuffix("Answer:").rstrip()    # "Question: ...\nAnswer:" -> "Question: ..."
+    answer = row["answer"].strip()
+    return head + CHAT_INSTRUCTION, "\n" + question + tail + lead, (" " + answer) if lead else answer
+
+
+def forced(llm, prompt, cont: list[int]):
+    """One teacher-forced pass (what LLM.score does), keeping the logits:
+    -> (log-probs of the continuation tokens [len(cont)], argmax ids [len(cont)],
+        log-softmax rows [len(cont), vocab]).
+    Greedy decoding produces exactly `cont` (answer + end of turn) iff argmax == cont everywhere."""
+    import torch
+
+    from hypic import SamplingParams
+
+    (req,) = llm.make_requests([prompt], SamplingParams(max_tokens=len(cont)))
+    first = llm.engine.prefill([req])[0]
+    rest = llm.engine.extend(req, cont[:-1]) if len(cont) > 1 else first.new_empty(0, first.shape[-1])
+    logits = torch.cat([first[None], rest])
+    req.state = None
+    logp = torch.log_softmax(logits, dim=-1)
+    return [float(logp[i, t]) for i, t in enumerate(cont)], logits.argmax(-1).tolist(), logp
+
+
 def run(a) -> None:
     import torch
 
@@ -46,7 +83,7 @@ def run(a) -> None:
         for line in open(out):
             r = json.loads(line)
             done.add((r["mode"], r["seam"], r["i"]))
-    llm = LLM(a.model, cache_mode="full")
+    llm = LLM(a.model, cache_mode="full", device=a.device)
     eos = llm.tokenizer.eos_token_ids
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     modes = [parse_mode(m) for m in a.modes.split(",")]
@@ -54,24 +91,50 @@ def run(a) -> None:
     with open(out, "a") as fh:
         # questions outer, modes inner: whenever the run stops, every mode covers the same questions.
         # Caches persist across modes and questions; PIC results do not depend on what is cached.
+        shard, nshards = (int(x) for x in a.shard.split("/"))
         for i, row in enumerate(rows):
+            if i % nshards != shard:
+                continue
             rng = random.Random(f"{a.seed}:{a.set}:{i}")
             order = list(range(len(row["segments"])))
             rng.shuffle(order)
-            prompt = Prompt(prefix=row["prefix"], segments=[row["segments"][j] for j in order], query=row["query"])
+            segments = [row["segments"][j] for j in order]
             gold = row["answer"].strip()
-            cont = llm.tokenizer.encode(" " + gold) + [eos[0]]
+            if a.format == "chat":
+                prefix, query, answer = chat_spans(llm.tokenizer, row, a.lead)
+                prompt = Prompt(prefix=prefix, segments=segments, query=query)
+                cont = llm.tokenizer.encode(answer) + [eos[0]]
+            else:          # the trained models' own format (docs/quality.md)
+                prompt = Prompt(prefix=row["prefix"], segments=segments, query=row["query"])
+                cont = llm.tokenizer.encode(" " + gold) + [eos[0]]
+            ref = None                     # full mode's log-softmax rows for this question (--forced)
             for mode, seam in modes:
                 if (mode, seam, i) in done:
                     continue
                 llm.set_policy(mode, seam)
-                o = llm.generate([prompt], params)[0]
-                nll = -sum(llm.score(prompt, cont))
-                rec = {"model": a.model, "set": a.set, "mode": mode, "seam": seam, "i": i,
-                       "gold_position": order.index(row.get("gold", 0)), "pred": o.text.strip(), "gold": gold,
-                       "em": exact_match(o.text, gold), "f1": f1(o.text, gold), "nll": nll,
-                       "prompt_tokens": o.num_prompt_tokens, "composed_tokens": o.composed_tokens,
-                       "recomputed_tokens": o.recomputed_tokens, "ttft_s": o.ttft_s}
+                t_q = time.perf_counter()
+                rec = {"model": a.model, "set": a.set, "format": a.format, "mode": mode, "seam": seam, "i": i,
+                       "gold_position": order.index(row.get("gold", 0)), "gold": gold}
+                if a.forced:       # one teacher-forced pass: greedy exact match, first-token match, NLL
+                    lp, top, rows_lp = forced(llm, prompt, cont)
+                    rec.update(em=float(top == cont), first=float(top[0] == cont[0]), nll=-sum(lp), forced=True,
+                               starts=float(top[:-1] == cont[:-1]), pred_ids=top)
+                    if mode == "full":
+                        ref = rows_lp
+                    elif ref is not None:
+                        # distance to full recomputation itself, whether or not the model is right:
+                        # KL(full || mode) of the next-token distributions at the gold answer's positions
+                        # (mean over positions, nats) and agreement of the two argmaxes
+                        kl = (ref.exp() * (ref - rows_lp)).sum(-1)
+                        rec.update(kl_full=float(kl.mean()), kl_full_first=float(kl[0]),
+                                   agree_full=float((ref.argmax(-1) == rows_lp.argmax(-1)).float().mean()))
+                else:
+                    o = llm.generate([prompt], params)[0]
+                    nll = -sum(llm.score(prompt, cont))
+                    rec.update(pred=o.text.strip(), em=exact_match(o.text, gold), f1=f1(o.text, gold), nll=nll,
+                               prompt_tokens=o.num_prompt_tokens, composed_tokens=o.composed_tokens,
+                               recomputed_tokens=o.recomputed_tokens, ttft_s=o.ttft_s)
+                rec["wall_s"] = round(time.perf_counter() - t_q, 3)
                 fh.write(json.dumps(rec) + "\n")
                 fh.flush()
             if (i + 1) % 10 == 0:
@@ -94,6 +157,12 @@ def report(paths, min_n: int = 1) -> None:
                 cells[(Path(r["model"]).name, r["set"])].get((r["mode"], r["seam"]), {})
             cells[(Path(r["model"]).name, r["set"])][(r["mode"], r["seam"])][r["i"]] = r
     rng = random.Random(0)
+    forced = {k: v for k, v in cells.items() if any(r.get("forced") for m in v.values() for r in m.values())}
+    if forced:
+        report_forced(forced, min_n, rng)
+    cells = {k: v for k, v in cells.items() if k not in forced}
+    if not cells:
+        return
     print("| model | set | mode | seam | n | EM % [95% CI] | EM - full (paired) [95% CI] | F1 % | NLL (nats) |")
     print("|---|---|---|---:|---:|---|---|---:|---:|")
     for (model, st), modes in sorted(cells.items()):
@@ -117,6 +186,43 @@ def report(paths, min_n: int = 1) -> None:
                   f"[{100 * lo:.1f}, {100 * hi:.1f}] | {dtxt} | {100 * fmean:.1f} | {nll:.3f} |")
 
 
+def report_forced(cells, min_n: int, rng) -> None:
+    """Table of --forced runs: task scores from one teacher-forced pass, and the distance of each
+    mode to full recomputation (paired NLL difference, KL, argmax agreement), which stays
+    meaningful when the model itself is weak at the task."""
+    print("| model | set | mode | seam | n | greedy EM % | starts with gold % | first token % [95% CI] "
+          "| NLL (nats) | NLL - full (paired) [95% CI] | KL(full ‖ mode), nats [95% CI] | KL, first answer token "
+          "| argmax = full's % |")
+    print("|---|---|---|---:|---:|---:|---:|---|---:|---|---|---:|---:|")
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    for (model, st), modes in sorted(cells.items()):
+        full = next((v for (m, _), v in modes.items() if m == "full"), {})
+        order = sorted(modes, key=lambda k: ({"full": 0, "prefix": 1, "pic": 2, "naive": 3}[k[0]], k[1]))
+        for (mode, seam) in order:
+            recs = modes[(mode, seam)]
+            ids = sorted(recs)
+            if len(ids) < min_n:
+                continue
+            col = lambda key: [recs[i][key] for i in ids]  # noqa: E731
+            first = col("first")
+            lo, hi = bootstrap(first, rng)
+            seam_s = "-" if mode in ("full", "prefix") else str(seam)
+            row = (f"| {model} | {st} | {mode} | {seam_s} | {len(ids)} | {100 * mean(col('em')):.1f} | "
+                   f"{100 * mean(col('starts')):.1f} | {100 * mean(first):.1f} [{100 * lo:.1f}, {100 * hi:.1f}] | "
+                   f"{mean(col('nll')):.3f} | ")
+            if mode == "full":
+                print(row + " |  |  |  |")
+                continue
+            d = [recs[i]["nll"] - full[i]["nll"] for i in ids if i in full]
+            dlo, dhi = bootstrap(d, rng)
+            kl = [recs[i]["kl_full"] for i in ids if "kl_full" in recs[i]]
+            klo, khi = bootstrap(kl, rng)
+            kl1 = [recs[i]["kl_full_first"] for i in ids if "kl_full_first" in recs[i]]
+            agree = [recs[i]["agree_full"] for i in ids if "agree_full" in recs[i]]
+            print(row + f"{mean(d):+.3f} [{dlo:+.3f}, {dhi:+.3f}] | {mean(kl):.3f} [{klo:.3f}, {khi:.3f}] | "
+                  f"{mean(kl1):.3f} | {100 * mean(agree):.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="checkpoints/qwen35-gdn-15m")
@@ -125,8 +231,17 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--modes", default="full,pic:0,pic:2,pic:4,pic:8,pic:16,pic:32,naive:8,prefix")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--format", choices=("plain", "chat"), default="plain",
+                    help="plain: the trained models' prompt format; chat: the model's chat template (instruct models)")
+    ap.add_argument("--forced", action="store_true",
+                    help="score only (one teacher-forced pass per mode, half the cost): EM = greedy decoding would "
+                         "give exactly the gold tokens + end of turn; `starts`: greedy decoding starts with the "
+                         "gold answer's tokens (a chatty model may go on); first-token match; no F1")
+    ap.add_argument("--lead", default="", help="with --format chat: text that starts the assistant's reply")
+    ap.add_argument("--shard", default="0/1", help="i/m: only questions with index %% m == i (parallel runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     ap.add_argument("--out")
     ap.add_argument("--report", nargs="*", help="print the table of these result files")
     ap.add_argument("--min-n", type=int, default=1, help="with --report: hide cells with fewer questions")

@@ -28,6 +28,8 @@ ARCHS = {
     "jamba": ("tiny-jamba", "JambaForCausalLM"),
     "bailing_moe_linear": ("tiny-ring-linear", None),          # None: tests/ring_reference.py
     "lfm2": ("tiny-lfm2", "Lfm2ForCausalLM"),
+    "llama": ("tiny-llama", "LlamaForCausalLM"),
+    "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }
 
 
@@ -61,6 +63,8 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) * 0.1)
             elif name.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight", "conv.in_proj.weight")):
                 p.mul_(5.0)                        # Mamba's x, B, C (and LFM2's B, C, x) at O(1)
+            elif arch in ("llama", "qwen2") and name.endswith("bias"):   # zero at init: make them count
+                p.copy_(torch.randn_like(p) * 0.1)
     return model
 
 

@@ -58,9 +58,19 @@ def test_tokenizer_files_and_text_prompts(hf_checkpoints, tmp_path):
 
 
 def test_unknown_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    with pytest.raises(UnsupportedArchitectureError, match="llama"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
         LLM(str(tmp_path))
+
+
+def test_sliding_window_transformer_is_refused():
+    """A windowed KV is not position independent: Qwen2 with sliding-window layers is refused."""
+    from hypic.config import ModelConfig
+    from hypic.models.presets import preset_config
+
+    d = dict(preset_config("tiny-qwen2"), use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    with pytest.raises(UnsupportedArchitectureError, match="sliding"):
+        ModelConfig.from_dict(d)
 
 
 def test_unsupported_layer_type(hf_checkpoints, tmp_path):

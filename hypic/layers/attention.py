@@ -160,18 +160,23 @@ class GatedAttention(RopeAttention):
 
 
 class Attention(RopeAttention):
-    """Plain multi-head / grouped-query attention, with RoPE (MiniMax) or without (Nemotron-H)."""
+    """Plain multi-head / grouped-query attention, with RoPE (MiniMax, Llama, Qwen2) or without
+    (Nemotron-H, Jamba). Biases: `qkv_bias` / `o_bias` (default: the config's `attention_bias`
+    for all four; Qwen2 has q/k/v biases and none on o_proj)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary,
+                 qkv_bias: bool | None = None, o_bias: bool | None = None):
         super().__init__(layer_idx, ops, rotary)
         p = cfg.params
         self.nh, self.num_kv_heads, self.hd = p.num_attention_heads, p.num_key_value_heads, p.head_dim
         self.key_dim = self.value_dim = self.hd
-        hs, bias = cfg.hidden_size, p.attention_bias
-        self.q_proj = nn.Linear(hs, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
-        self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=bias)
+        hs = cfg.hidden_size
+        qkv_bias = p.attention_bias if qkv_bias is None else qkv_bias
+        o_bias = p.attention_bias if o_bias is None else o_bias
+        self.q_proj = nn.Linear(hs, self.nh * self.hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=o_bias)
         self.scale = self.hd ** -0.5
 
     def project(self, x, batch):

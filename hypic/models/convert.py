@@ -153,3 +153,9 @@ def bailing_moe_linear(tensors: dict, cfg: ModelConfig) -> dict:
 def lfm2(tensors: dict, cfg: ModelConfig) -> dict:
     """transformers' Lfm2ForCausalLM layout as saved (no renames)."""
     return _common(tensors, cfg)
+
+
+def transformer(tensors: dict, cfg: ModelConfig) -> dict:
+    """Llama / Qwen2: transformers' names as they are; old checkpoints' `rotary_emb.inv_freq`
+    buffers are dropped (hypic derives the frequencies from the config)."""
+    return _common({k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}, cfg)

@@ -86,6 +86,20 @@ PRESETS: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=65536,
         tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # Plain transformers (no linear layer): SmolLM2's layout (tied, no biases) and Qwen2's (q/k/v biases).
+    "tiny-llama": dict(
+        model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=65536,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True, attention_bias=False, mlp_bias=False, eos_token_id=256, bos_token_id=None,
+        pad_token_id=None, initializer_range=0.02,
+    ),
+    "tiny-qwen2": dict(
+        model_type="qwen2", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=65536, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        use_sliding_window=False, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # A larger CPU preset for benchmarks (still random weights, still the built-in tokenizer).
     "small-qwen3.5": dict(_tiny("qwen3_5_text", intermediate_size=1024), hidden_size=256, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,

@@ -17,6 +17,8 @@ _MODELS = {
     "bailing_moe_linear": ("hypic.models.bailing_moe_linear", "BailingMoeLinearForCausalLM", "hypic.models.convert",
                            "bailing_moe_linear"),
     "lfm2": ("hypic.models.lfm2", "Lfm2ForCausalLM", "hypic.models.convert", "lfm2"),
+    "llama": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
+    "qwen2": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
 }
 
 

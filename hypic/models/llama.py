@@ -1,0 +1,51 @@
+"""Plain decoder-only transformers: Llama (SmolLM2 and the Llama family) and Qwen2 (Qwen2 / Qwen2.5).
+Every layer is RoPE attention (GQA) + SwiGLU MLP with plain RMSNorms; the two differ only in their
+biases (Qwen2: q/k/v). For PIC this is the hybrid with no linear layer: a segment entry is its
+pre-RoPE K/V of tokens [w, L), and the seam window is all that corrects for the segment never
+having seen what precedes it. `naive` mode is identical to `pic` here (there is no T to drop)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.attention import Attention
+from ..layers.mlp import MLP
+from ..layers.norm import ScaledRMSNorm
+from ..layers.rope import Rotary
+from ..runtime.batch import ForwardBatch
+from .base import CausalLM
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
+        super().__init__()
+        p = cfg.params
+        self.self_attn = Attention(cfg, i, ops, rotary, qkv_bias=p.qkv_bias, o_bias=p.o_bias)
+        self.mlp = MLP(cfg.hidden_size, p.intermediate_size, bias=p.mlp_bias)
+        self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def state_mixer(self):
+        return self.self_attn
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        p = cfg.params
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = Rotary(cfg, p.head_dim, dict(p.rope_parameters))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
+        self.norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TransformerForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__(cfg, Backbone(cfg, ops))
