@@ -215,6 +215,8 @@ class LinearMixer(nn.Module):
         L = self.layer_idx
         seqs = batch.seqs
         runs = [(seq, p) for seq in seqs for p in seq.pieces if isinstance(p, Run)]
+        if not runs:                                   # cached segments only: compose in place
+            return self._forward_phased(x, f, batch)
         lens = [p.n for _, p in runs]
         cu = torch.tensor([0] + lens).cumsum(0)
         conv_out, tails = (None, {})
