@@ -132,7 +132,7 @@ class LinearMixer(nn.Module):
            are summarized for the cache and others are not).
         Conv windows need no recurrence: the window before a run is the last W-1 raw inputs before
         it (the previous run's, or a cached segment's tail), so all runs share one conv call.
-        Equal to `_forward_rounds` up to rounding (tests/test_phased.py)."""
+        Equal to `_forward_rounds` up to rounding (tests/test_fast.py)."""
         L = self.layer_idx
         seqs = batch.seqs
         runs = [(seq, p) for seq in seqs for p in seq.pieces if isinstance(p, Run)]
@@ -166,7 +166,8 @@ class LinearMixer(nn.Module):
             for n_, (ri, _, _) in enumerate(need):
                 summ[ri] = (ts[n_], final[n_])
         # phase 2: each sequence's chain of maps -> the initial state of every run
-        inits, finals_after = self._chain(seqs, summ, batch.exact_transition)
+        inits = self._chain(seqs, summ, batch.exact_transition)
+        finals_after: list = [None] * len(runs)
         # phase 3: every run from its initial state
         out = None
         init = torch.stack(inits)
@@ -179,12 +180,7 @@ class LinearMixer(nn.Module):
             cu = torch.tensor([0] + [p.n for _, p in items]).cumsum(0)
             sub = None if conv_out is None else (conv_out if len(sel) == len(runs) else conv_out[idx])
             o, final, ts = self.kernel(f, sub, idx, init[sel] if len(sel) < len(runs) else init, cu, summarize)
-            if out is None and isinstance(idx, slice) and idx == slice(0, x.shape[0]):
-                out = o                                        # every row, in order: no scatter
-            else:
-                if out is None:
-                    out = o.new_zeros((x.shape[0],) + tuple(o.shape[1:]))
-                out[idx] = o.to(out.dtype)
+            out = _place(out, o, idx, x.shape[0])
             for n_, i in enumerate(sel):
                 seq, run = runs[i]
                 if summarize:
@@ -250,11 +246,7 @@ class LinearMixer(nn.Module):
         up = u.new_zeros(len(runs), lmax, h, kk)
         up[run_of, pos] = u
         corr = torch.einsum("rlhk,rhkv->rlhv", up.float(), s0)[run_of, pos]
-        out = (o0.float() + corr).to(o0.dtype)
-        if not (isinstance(idx, slice) and idx == slice(0, x.shape[0])):
-            full = out.new_zeros((x.shape[0],) + tuple(out.shape[1:]))
-            full[idx] = out
-            out = full
+        out = _place(None, (o0.float() + corr).to(o0.dtype), idx, x.shape[0])
         for r, (seq, run) in enumerate(runs):
             if run.summarize:
                 run.captures[L] = LinearSummary(ts[r], S[r].clone(), tails.get(r))
@@ -296,9 +288,9 @@ class LinearMixer(nn.Module):
         return conv_out, tails
 
     def _chain(self, seqs, summ, exact_applies: bool):
-        """Phase 2: per run, its initial state; returns (inits in run order, finals placeholder list)."""
+        """Phase 2: every run's initial state, in run order."""
         L = self.layer_idx
-        plans = []                    # per sequence: (init state, [(Transition, S, exact, run index or None)])
+        plans = []                    # per sequence: (its state, [("run", run index) | ("apply", piece)], run indices)
         i = 0
         for seq in seqs:
             st = seq.state.layers[L]
@@ -327,7 +319,7 @@ class LinearMixer(nn.Module):
                         break                                  # the last run: phase 3 continues from here
                 else:
                     state = self._applied(state, v, exact_applies)
-        return inits, [None] * i
+        return inits
 
     def _chain_dense(self, plans, summ, inits):
         """Dense chains of all sequences in one scan (compose/scan.py): every sequence's maps before its
@@ -354,17 +346,17 @@ class LinearMixer(nn.Module):
             for rec, _, run_ids in plans:
                 for v in run_ids:
                     inits[v] = rec
-            return inits, [None] * len(inits)
+            return inits
         before, final = scan_dense(torch.stack([rec for rec, _, _ in plans]), torch.stack(Ts), torch.stack(Ss), cu)
         for n, (rec, maps, run_ids) in enumerate(plans):
             for v in run_ids:
                 inits[v] = before[at[v]] if v in at else final[n]
-        return inits, [None] * len(inits)
+        return inits
 
     def _applied(self, state, piece: Apply, exact: bool):
         summ: LinearSummary = piece.entry.layers[self.layer_idx]
         t, s = summ.T, summ.S
-        rot = self.key_rotation(piece.position - piece.entry.seam)
+        rot = self.key_rotation(piece.position - piece.entry.seam)   # the segment's start
         if rot is not None:
             t, s = t.rotated(rot), rot @ s
         return compose(state, t, s, exact=exact)
@@ -393,12 +385,7 @@ class LinearMixer(nn.Module):
                 tails.append(raw[max(run.start, run.end - (self.conv_width - 1)) : run.end].clone())
         init = torch.stack([seq.state.layers[L].rec for seq, _ in items])      # [R, H, K, V]
         o, final, ts = self.kernel(f, conv_out, idx, init, cu, summarize)
-        if out is None and isinstance(idx, slice) and idx == slice(0, x.shape[0]):
-            out = o
-        else:
-            if out is None:
-                out = o.new_zeros((x.shape[0],) + tuple(o.shape[1:]))
-            out[idx] = o.to(out.dtype)
+        out = _place(out, o, idx, x.shape[0])
         for i, (seq, run) in enumerate(items):
             st = seq.state.layers[L]
             st.rec = final[i]
@@ -408,6 +395,17 @@ class LinearMixer(nn.Module):
             if run.mark:                 # cached in a prefix node: own the memory, not a view of the batch
                 run.captures[L] = LinearState(final[i].clone(), st.conv)
         return out
+
+
+def _place(out, o, idx, n: int):
+    """Write per-run outputs o (rows `idx` of the flat axis of n rows) into `out` (None: not made yet).
+    When o covers every row in order it becomes the output as is: no zeros, no scatter."""
+    if out is None and isinstance(idx, slice) and idx == slice(0, n):
+        return o
+    if out is None:
+        out = o.new_zeros((n,) + tuple(o.shape[1:]))
+    out[idx] = o.to(out.dtype)
+    return out
 
 
 def _rows(runs, device):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import reference as ref
 from .reference import (  # noqa: F401  (re-exported: same names as the reference backend)
-    chunk_gla, chunk_kda, chunk_simple_gla, recurrent_gla, recurrent_kda, recurrent_simple_gla, route,
+    causal_conv1d, chunk_gla, chunk_kda, chunk_simple_gla, recurrent_gla, recurrent_kda, recurrent_simple_gla, route,
     route_grouped_sigmoid,
 )
 
@@ -90,10 +90,6 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False):
     return _gated_delta(1, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                         use_qk_l2norm_in_kernel)
-
-
-def causal_conv1d(x, weight, bias=None, *, window=None, activation: str | None = "silu"):
-    return ref.causal_conv1d(x, weight, bias, window=window, activation=activation)
 
 
 def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: str | None = "silu"):
