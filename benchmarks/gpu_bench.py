@@ -115,6 +115,48 @@ def quick(llm, args, ids, ttft, res):
     (Path(args.out) / "gpu_bench_quick.json").write_text(json.dumps(res, indent=1, default=str))
 
 
+def decode_bench(llm, prompts, steps: int, batches=(1, 8)):
+    """Per-token decode latency after warm pic prefills of long prompts: the dynamic step (a planned
+    batch per step) against the CUDA-graph step (fixed buffers, one replay), side by side."""
+    from hypic.runtime.decode import StaticDecoder
+
+    eng = llm.engine
+    graph_dec = eng.decoder or StaticDecoder(eng.model, eng.device, eng.model.lm_head.weight.dtype, graphs=False)
+    out = {}
+    for b in batches:
+        first = {}
+        for mode in ("dynamic", "graph"):
+            eng.decoder = None if mode == "dynamic" else graph_dec
+            reqs = llm.make_requests(prompts[:b], SamplingParams(max_tokens=steps + 8, ignore_eos=True,
+                                                                 return_logits=True))
+            for r, row in zip(reqs, eng.prefill(reqs)):
+                eng.accept(r, row)
+
+            def step():
+                for r, row in zip(reqs, eng.step(reqs)):
+                    eng.accept(r, row)
+
+            for _ in range(2):                        # warm-up (the graph is captured here)
+                step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            per = (time.perf_counter() - t0) / steps
+            first[mode] = reqs[0].logits[1]
+            for r in reqs:
+                eng.finish(r)
+            out.setdefault(b, {})[mode + "_s"] = per
+            print(f"decode batch {b} ({mode}): {per * 1e3:.2f} ms per step", flush=True)
+        d, g = first["dynamic"], first["graph"]
+        out[b]["speedup"] = out[b]["dynamic_s"] / out[b]["graph_s"]
+        out[b]["first_step_rel_diff"] = float((g - d).norm() / d.norm())
+    eng.decoder = graph_dec
+    out["captures"] = graph_dec.captures if graph_dec else 0
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="8192,32768")
@@ -126,6 +168,7 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="only the warm pic request, readout walk vs 3-phase walk")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of a warm pic request and a full prefill")
+    ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--preset", default="qwen3.5-35b-a3b")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a tiny preset")
@@ -285,6 +328,15 @@ def main():
           f"{flops / rate * 1e3:.2f} ms; floor {floor * 1e3:.1f} ms; measured/floor {rag['pic_warm_s'] / floor:.2f}",
           flush=True)
     res["rag"] = rag
+
+    # -- decode after the warm pic prefill --------------------------------------------------------------
+    llm.set_policy("pic", 8)
+    dprompts = []
+    for r in range(8):
+        order = order_a[:]
+        random.Random(200 + r).shuffle(order)
+        dprompts.append(Prompt(segments=[segs[i] for i in order], query=query))
+    res["decode"] = decode_bench(llm, dprompts, args.decode_steps)
     llm.clear_cache()
     (torch.cuda.empty_cache() if DEV == 'cuda' else None)
 
@@ -319,6 +371,10 @@ def main():
           f"{rag['pic_vs_prefix']:.1f}x | |")
     print(f"| pic vs roofline floor | {rag['pic_warm_s'] * 1e3:.1f} ms | floor {floor * 1e3:.1f} ms | "
           f"{rag['pic_warm_s'] / floor:.2f}x | <= 3x |")
+    for b, e in res["decode"].items():
+        if isinstance(e, dict):
+            print(f"| decode step, batch {b}, {ctx}-token context | graph {e['graph_s'] * 1e3:.2f} ms | "
+                  f"dynamic {e['dynamic_s'] * 1e3:.2f} ms | {e['speedup']:.1f}x | |")
     for n, e in over.items():
         print(f"| (T, S) overhead, {n}-token segment | {e['summarized_s'] * 1e3:.1f} ms | plain {e['plain_s'] * 1e3:.1f} ms "
               f"| {e['overhead'] * 100:.1f}% | <= 5% |")

@@ -291,6 +291,26 @@ def check_engine(dev):
     row("engine phased walk == rounds walk on CUDA (steps before any token flip)",
         rel(warm.logits[:upto], rounds.logits[:upto]), 2 * yard, steps_compared=upto,
         same_tokens=warm.token_ids == rounds.token_ids)
+    # decode: the CUDA graph (the default on CUDA) against the same buffers run eagerly and against the
+    # dynamic step. Graph and eager run the same kernels on the same inputs: equal up to
+    # non-deterministic reductions (bound 1e-3, a few bf16 ulps); dynamic vs graph differ in op shapes
+    # like the walks above (bound 2 x yardstick, compared before any token flip)
+    from hypic.runtime.decode import StaticDecoder
+
+    graph_dec = gpu.engine.decoder
+    outs = {}
+    for name, dec in (("graph", graph_dec), ("eager", StaticDecoder(gpu.engine.model, dev, torch.bfloat16, graphs=False)),
+                      ("dynamic", None)):
+        gpu.engine.decoder = dec
+        outs[name] = gpu.generate([p], SamplingParams(max_tokens=8, return_logits=True, ignore_eos=True))[0]
+    gpu.engine.decoder = graph_dec
+    g_, e_, d_ = outs["graph"], outs["eager"], outs["dynamic"]
+    row("engine decode: CUDA graph replay == the same buffers run eagerly", rel(g_.logits, e_.logits), 1e-3,
+        captures=graph_dec.captures if graph_dec else 0, same_tokens=g_.token_ids == e_.token_ids)
+    same = next((i for i, (a, b) in enumerate(zip(g_.token_ids, d_.token_ids)) if a != b), len(g_.token_ids))
+    row("engine decode: CUDA graph == dynamic step (steps before any token flip)",
+        rel(g_.logits[: max(1, same)], d_.logits[: max(1, same)]), 2 * yard, steps_compared=max(1, same),
+        same_tokens=g_.token_ids == d_.token_ids)
     return {}
 
 

@@ -588,8 +588,12 @@ class EngineConfig:
     backend: str = "auto"              # op backend (hypic/ops): "auto" (= "fast"), "fast", "reference"
     max_segments: int = 1024
     walk: str = "phased"               # linear layers' compose pass: "phased" (batched) or "rounds" (plain)
+    decode: str = "auto"               # "dynamic" (a planned batch per step), "static" (fixed buffers),
+                                       # "graph" (fixed buffers replayed as a CUDA graph); auto: graph on CUDA
 
     def __post_init__(self):
+        if self.decode not in ("auto", "dynamic", "static", "graph"):
+            raise ConfigError(f"unknown decode {self.decode!r}; use 'auto', 'dynamic', 'static' or 'graph'")
         if self.walk not in ("phased", "rounds"):
             raise ConfigError(f"unknown walk {self.walk!r}; use 'phased' or 'rounds'")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
@@ -599,6 +603,12 @@ class EngineConfig:
         for name in ("segment_cache_bytes", "prefix_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+
+    @property
+    def decode_mode(self) -> str:
+        if self.decode != "auto":
+            return self.decode
+        return "graph" if self.device.startswith("cuda") else "dynamic"
 
     @property
     def torch_dtype(self):

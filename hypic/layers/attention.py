@@ -16,7 +16,7 @@ from torch import nn
 from ..cache.entry import AttnKV, KVSpan
 from ..config import ModelConfig
 from ..runtime.batch import Apply, ForwardBatch
-from ..runtime.state import KVBuffer
+from ..runtime.state import KVBuffer, StaticKV
 from .norm import RMSNorm
 
 
@@ -55,8 +55,36 @@ class AttentionMixer(nn.Module):
             buf.append(span.k, span.v, span.pos)
         return buf
 
+    # -- static decode (runtime/decode.py) ---------------------------------------------------------------
+    def static_state(self, rows: int, cap: int, device, dtype) -> StaticKV:
+        return StaticKV.empty(rows, cap, self.num_kv_heads, self.key_dim, self.value_dim, dtype=dtype, device=device)
+
+    def static_load(self, st: StaticKV, row: int, state: KVBuffer) -> None:
+        st.load(row, state)
+
+    def static_store(self, st: StaticKV, row: int, n: int, capacity: int) -> KVBuffer:
+        return st.store(row, n, capacity)
+
+    def _forward_static(self, x, batch):
+        """One token per row, fixed shapes, no host sync: the key goes to slot n of its row (clamped to
+        the last slot for idle rows, whose results are discarded), then the query attends to the row's
+        first n + 1 slots."""
+        st: StaticKV = batch.static.layers[self.layer_idx]
+        q, k_raw, v, extra = self.project(x, batch)
+        q = self.place_queries(q, batch.positions, batch)
+        k = self.place_keys(k_raw, batch.positions, batch)
+        rows = batch.static.rows
+        at = st.n.clamp(max=st.k.shape[2] - 1)
+        st.k[rows, :, at] = k
+        st.v[rows, :, at] = v
+        st.pos[rows, at] = batch.positions
+        st.n.copy_(at + 1)
+        return self.output(x, self.ops.decode_attention(q, st.k, st.v, st.n, scale=self.scale), extra)
+
     # -- forward ---------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if batch.static is not None:
+            return self._forward_static(x, batch)
         L, n = self.layer_idx, x.shape[0]
         q, k_raw, v, extra = self.project(x, batch)
         q = self.place_queries(q, batch.positions, batch)

@@ -82,10 +82,44 @@ class LinearMixer(nn.Module):
         last = parts[-1]
         return LinearState(last.rec, last.conv)
 
+    # -- static decode (runtime/decode.py) ---------------------------------------------------------------
+    def static_state(self, rows: int, cap: int, device, dtype) -> LinearState:
+        """R rows of (state, conv window) at fixed addresses."""
+        h, k, v = self.state_shape
+        conv = (torch.zeros(rows, self.conv_width - 1, self.conv_dim, dtype=dtype, device=device)
+                if self.conv_width else None)
+        return LinearState(torch.zeros(rows, h, k, v, dtype=torch.float32, device=device), conv)
+
+    def static_load(self, st: LinearState, row: int, state: LinearState) -> None:
+        st.rec[row] = state.rec
+        if st.conv is not None:
+            st.conv[row] = state.conv
+
+    def static_store(self, st: LinearState, row: int, n: int, capacity: int) -> LinearState:
+        return LinearState(st.rec[row].clone(), None if st.conv is None else st.conv[row].clone())
+
+    def _forward_static(self, x, f, batch):
+        """One token per row over fixed buffers (CUDA-graph decode): the conv window and the recurrent
+        state of every row advance in place; the same ops as a decode step of the walks."""
+        st: LinearState = batch.static.layers[self.layer_idx]
+        rows = x.shape[0]
+        conv_out = None
+        if self.conv_width:
+            weight, bias = self.conv_weights()
+            y, window = self.ops.causal_conv1d(f["raw"][:, None], weight, bias, window=st.conv,
+                                               activation=self.conv_activation)
+            st.conv.copy_(window)
+            conv_out = y[:, 0]
+        o, final, _ = self.kernel(f, conv_out, slice(0, rows), st.rec, batch.static.cu, False)
+        st.rec.copy_(final)
+        return o
+
     # -- the walk ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         L = self.layer_idx
         f = self.features(x, batch)
+        if batch.static is not None:
+            return self.output(x, self._forward_static(x, f, batch), f)
         for seq in batch.seqs:
             if L not in seq.state.layers:
                 seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)

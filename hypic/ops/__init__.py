@@ -30,6 +30,7 @@ class Backend:
     causal_conv1d: Callable
     causal_conv1d_varlen: Callable
     position_attention: Callable
+    decode_attention: Callable
     route: Callable
     route_grouped_sigmoid: Callable
     experts_forward: Callable
@@ -49,6 +50,6 @@ def get_backend(name: str) -> Backend:
         _LOADED[name] = Backend(
             name, m.chunk_gated_delta_rule, m.recurrent_gated_delta_rule, m.chunk_kda, m.recurrent_kda, m.chunk_gla,
             m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d, m.causal_conv1d_varlen,
-            m.position_attention, m.route, m.route_grouped_sigmoid, m.experts_forward,
+            m.position_attention, m.decode_attention, m.route, m.route_grouped_sigmoid, m.experts_forward,
         )
     return _LOADED[name]

@@ -4,7 +4,8 @@
                        when the tensors are on CUDA and fla imports; the reference otherwise
     short conv         one depthwise conv over all runs of a varlen batch (any device)
     attention          PyTorch SDPA: flash (causal) when the keys are exactly the queries' tokens,
-                       else memory-efficient with a position mask, GQA folded into the query axis
+                       else memory-efficient with a position mask, GQA folded into the query axis;
+                       decode over fixed-size per-sequence slots without a host sync
     MoE experts        two grouped GEMMs (torch._grouped_mm) over tokens sorted by expert
 KDA, GLA and simple GLA stay on the reference ops here (their fla kernels are not wired yet).
 
@@ -61,6 +62,12 @@ def _cu(cu_seqlens, device):
             _CU.clear()
         _CU[key] = hit
     return hit
+
+
+def pin_layouts() -> list:
+    """The cached layout tensors as they are now: a CUDA graph that captured fla calls reads them by
+    address, so its owner keeps this list alive (the cache itself may be cleared)."""
+    return list(_CU.values())
 
 
 def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -161,6 +168,22 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         o = F.scaled_dot_product_attention(qq, kt, vt, attn_mask=mask.repeat(rep, 1)[None, None], scale=scale)
         out[:, :, a:b] = o[0].view(hkv, rep, m, dv)
     return out.permute(2, 0, 1, 3).reshape(nq, h, dv)
+
+
+def decode_attention(q, k, v, lengths, *, scale: float):
+    """The reference signature without a host sync (CUDA-graph safe): every sequence's scores over
+    all C slots in two batched GEMMs, the slots past its length masked. GQA folded into the query
+    axis; [B, Hkv, C, D] keys make k^T a view, so nothing is copied."""
+    b, h, d = q.shape
+    hkv, cap, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
+    qf = q.view(b, hkv, h // hkv, d)
+    s = torch.matmul(qf, k.transpose(-1, -2)).float() * scale                      # [B, Hkv, rep, C]
+    valid = torch.arange(cap, device=q.device)[None, :] < lengths[:, None]          # [B, C]
+    s = s.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p, v).reshape(b, h, dv)
 
 
 # -- MoE -------------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class ForwardBatch:
     exact_transition: bool = True
     walk: str = "phased"        # linear layers: "phased" (batched compose) or "rounds" (the plain walk)
     scratch: dict[str, Any] = field(default_factory=dict)   # per-forward derived tensors (RoPE tables)
+    static: Any = None          # runtime.decode.StaticDecode: one token per row over fixed buffers (no seqs)
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from ..prefill.isolated import prefill_segments
 from ..segment.spans import TokenizedPrompt
 from ..types import RequestOutput, SamplingParams
 from .batch import BatchBuilder
+from .decode import StaticDecoder
 from .sampler import sample
 from .state import SeqState
 
@@ -57,6 +58,9 @@ class Engine:
         self.planner = Planner(loaded.fingerprint, self.segments, self.prefix)
         tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(tok.eos_token_ids if tok else ())
+        mode = config.decode_mode
+        self.decoder = None if mode == "dynamic" else StaticDecoder(
+            self.model, self.device, self.model.lm_head.weight.dtype, graphs=mode == "graph")
 
     # -- stage 1: plan -------------------------------------------------------------------------
     def _plan(self, reqs: list[Request]) -> list[PrefillPlan]:
@@ -178,6 +182,9 @@ class Engine:
 
     # -- stage 4: decode ----------------------------------------------------------------------------
     def step(self, reqs: list[Request]) -> torch.Tensor:
+        """Next-token logits [B, V] of running requests (each has sampled at least one token)."""
+        if self.decoder is not None:
+            return self.decoder.step(reqs)
         builder = BatchBuilder(self.device)
         for r in reqs:
             builder.add(r.state, [("run", [r.output_ids[-1]])])
@@ -185,6 +192,8 @@ class Engine:
 
     def extend(self, r: Request, tokens: list[int]) -> torch.Tensor:
         """Teacher-force tokens after the request's prompt; fp32 logits for every one of them."""
+        if self.decoder is not None:
+            self.decoder.release(r, write_back=True)
         builder = BatchBuilder(self.device)
         builder.add(r.state, [("run", list(tokens))], logits="all")
         return self.model(builder.build(walk=self.config.walk))
@@ -226,6 +235,8 @@ class Engine:
         stop = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos)
         shown = r.output_ids[:-1] if r.finish_reason == "stop" and r.output_ids[-1] in stop else r.output_ids
         text = tok.decode(shown) if tok is not None else None
+        if self.decoder is not None:
+            self.decoder.release(r)
         r.state = None                                         # release the request's KV and states
         return RequestOutput(prompt_token_ids=r.prompt.token_ids, token_ids=list(r.output_ids), text=text,
                              finish_reason=r.finish_reason, ttft_s=r.ttft_s, mode=r.policy.mode.value,

@@ -8,6 +8,10 @@ types are defined:
     KVBuffer     k, v, pos             keys as the attention reads them (RoPE'd at their absolute
                                        position), values and positions of every token the request
                                        has seen (prefix, placed segments, fresh tokens), any order
+    StaticKV     k, v [R, Hkv, C, D], pos [R, C], n [R]
+                                       fixed-shape keys of R sequences for the graph-captured
+                                       decode (runtime/decode.py); n (on the device) counts the
+                                       valid slots of each row
 Layers never mutate a tensor they were given: they assign new ones, so states loaded from a
 cache node or a segment entry can be shared without copies.
 """
@@ -74,6 +78,48 @@ class KVBuffer:
     @property
     def nbytes(self) -> int:
         return nbytes(self.k, self.v, self.pos)
+
+
+@dataclass
+class StaticKV:
+    """R rows of C key/value slots at fixed addresses (CUDA-graph decode); the first n[r] of row r hold
+    its keys (as attended) in the order they were appended, pos[r] their absolute positions."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    n: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, cap: int, num_kv_heads: int, key_dim: int, value_dim: int, *, dtype, device):
+        return cls(torch.zeros(rows, num_kv_heads, cap, key_dim, dtype=dtype, device=device),
+                   torch.zeros(rows, num_kv_heads, cap, value_dim, dtype=dtype, device=device),
+                   torch.zeros(rows, cap, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device))
+
+    def load(self, row: int, buf: KVBuffer) -> None:
+        k, v, pos = buf.view()
+        n = k.shape[0]
+        if n > self.k.shape[2]:
+            raise ValueError(f"{n} keys do not fit {self.k.shape[2]} slots")
+        self.k[row, :, :n] = k.transpose(0, 1)
+        self.v[row, :, :n] = v.transpose(0, 1)
+        self.pos[row, :n] = pos
+        self.n[row] = n
+
+    def store(self, row: int, n: int, capacity: int) -> KVBuffer:
+        """Row `row` (n valid slots) as a KVBuffer with its own memory."""
+        hkv, d, dv = self.k.shape[1], self.k.shape[3], self.v.shape[3]
+        buf = KVBuffer(hkv, d, dv, dtype=self.k.dtype, device=self.k.device, capacity=max(n, capacity))
+        buf.append(self.k[row, :, :n].transpose(0, 1), self.v[row, :, :n].transpose(0, 1), self.pos[row, :n])
+        return buf
+
+    def clear(self, row: int) -> None:
+        self.n[row] = 0
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.k, self.v, self.pos, self.n)
 
 
 class SeqState:

@@ -28,3 +28,17 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def decode_attention(q, k, v, lengths, *, scale: float):
+    """One new query per sequence over that sequence's cached keys (a decode step).
+
+    q [B, H, D]; k [B, Hkv, C, D], v [B, Hkv, C, Dv]: C slots per sequence, of which the first
+    lengths[b] are valid (the query's own key included); lengths [B] int64. Returns [B, H, Dv].
+    Every valid key precedes the query, so no position mask is needed beyond the length."""
+    out = []
+    for b, n in enumerate(lengths.tolist()):
+        kk, vv = k[b, :, :n].transpose(0, 1), v[b, :, :n].transpose(0, 1)       # [n, Hkv, D]
+        zero = torch.zeros(1, dtype=torch.long, device=q.device)
+        out.append(position_attention(q[b : b + 1], kk, vv, zero, zero.expand(n), scale=scale))
+    return torch.cat(out)

@@ -1,0 +1,99 @@
+"""Static decode (runtime/decode.py): fixed buffers, one token per row, the step CUDA graphs replay.
+
+On the CPU the same buffers run eagerly; they must give the dynamic step's tokens and logits for
+every architecture, with requests joining and leaving between steps, and hand a request's state
+back intact when it leaves unfinished."""
+
+import pytest
+import torch
+
+from hypic import LLM, SamplingParams
+from hypic.ops import get_backend
+
+from .test_fast import _requests
+
+# fp32 on the CPU: the static step runs the same ops as the dynamic one on differently shaped
+# tensors (a batched conv and kernel over rows instead of a varlen call, a masked GEMM over all
+# slots instead of the valid keys); their sums differ in order only, ~1e-6 relative per op, and a
+# few steps of a random 4-layer model keep that under 1e-4 on logits of size ~1.
+ATOL = 1e-4
+
+
+@pytest.mark.parametrize("mode", ["pic", "full"])
+def test_static_decode_equals_dynamic(hf_checkpoints, arch, mode):
+    path = hf_checkpoints[arch][1]
+    outs = {}
+    for decode in ("dynamic", "static"):
+        llm = LLM(str(path), cache_mode=mode, seam=4, decode=decode)
+        outs[decode] = llm.generate(_requests(3), SamplingParams(max_tokens=6, return_logits=True, ignore_eos=True))
+    for a, b in zip(outs["dynamic"], outs["static"]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+
+
+def _drive(llm, prompts, lens, joins, steps=12):
+    """Run requests through prefill/step by hand: request i joins at step joins[i] and stops after
+    lens[i] tokens. Returns i -> (token ids, logits)."""
+    eng = llm.engine
+    reqs = llm.make_requests(prompts, [SamplingParams(max_tokens=n, return_logits=True, ignore_eos=True) for n in lens])
+    running = []
+    for step in range(steps):
+        for i, t in enumerate(joins):
+            if t == step:
+                logits = eng.prefill([reqs[i]])
+                eng.accept(reqs[i], logits[0])
+                running.append(reqs[i])
+        running = [r for r in running if not r.finished]
+        if running:
+            for r, row in zip(running, eng.step(running)):
+                eng.accept(r, row)
+    out = {i: (list(r.output_ids), torch.stack(r.logits)) for i, r in enumerate(reqs)}
+    for r in reqs:
+        eng.finish(r)
+    return out
+
+
+def test_rows_join_leave_and_grow(hf_checkpoints):
+    """Requests join while others decode, leave as they stop (rows freed and reused), and a joining
+    request that does not fit the KV capacity makes the buffers grow, moving the running ones."""
+    path = hf_checkpoints["qwen3_5"][1]
+    prompts, lens, joins = _requests(4), [3, 7, 4], [3, 0, 1]
+    ref = _drive(LLM(str(path), decode="dynamic"), prompts, lens, joins)
+    llm = LLM(str(path), decode="static")
+    dec = llm.engine.decoder
+    dec.min_cap = 16                                    # small buckets: the later, longer prompt forces a rebuild
+    got = _drive(llm, prompts, lens, joins)
+    for i in ref:
+        assert got[i][0] == ref[i][0]
+        torch.testing.assert_close(got[i][1], ref[i][1], atol=ATOL, rtol=0)
+    assert dec.builds >= 2 and dec.static.rows_n == 4          # grown; 3 requests at once at step 3
+    assert not dec.row_of                               # every row released at finish
+
+
+def test_write_back_when_leaving_unfinished(hf_checkpoints, arch):
+    """A request that leaves the rows before it stops (here: teacher forcing after decode steps)
+    continues from exactly the state the rows held."""
+    path = hf_checkpoints[arch][1]
+    outs = []
+    for decode in ("dynamic", "static"):
+        llm = LLM(str(path), decode=decode, seam=4)
+        eng = llm.engine
+        (r,) = llm.make_requests([_requests(5)[1]], SamplingParams(max_tokens=20, ignore_eos=True))
+        eng.accept(r, eng.prefill([r])[0])
+        for _ in range(3):
+            eng.accept(r, eng.step([r])[0])
+        outs.append(eng.extend(r, [5, 6, 7]))
+        eng.finish(r)
+    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+
+
+def test_decode_attention_fast_equals_reference():
+    g = torch.Generator().manual_seed(0)
+    b, h, hkv, cap, d, dv = 3, 6, 2, 11, 8, 5
+    q = torch.randn(b, h, d, generator=g)
+    k, v = torch.randn(b, hkv, cap, d, generator=g), torch.randn(b, hkv, cap, dv, generator=g)
+    lengths = torch.tensor([1, 11, 6])
+    ref, fast = get_backend("reference"), get_backend("fast")
+    o0 = ref.decode_attention(q, k, v, lengths, scale=0.3)
+    o1 = fast.decode_attention(q, k, v, lengths, scale=0.3)
+    torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)
