@@ -336,7 +336,13 @@ def main():
         order = order_a[:]
         random.Random(200 + r).shuffle(order)
         dprompts.append(Prompt(segments=[segs[i] for i in order], query=query))
-    res["decode"] = decode_bench(llm, dprompts, args.decode_steps)
+    try:
+        res["decode"] = decode_bench(llm, dprompts, args.decode_steps)
+    except Exception as e:  # report and go on: one device call should say as much as it can
+        import traceback
+
+        traceback.print_exc()
+        res["decode"] = {"error": repr(e)}
     llm.clear_cache()
     (torch.cuda.empty_cache() if DEV == 'cuda' else None)
 

@@ -4,6 +4,7 @@
 # Usage (repo root, with .whl/fla_core-0.6.0-py3-none-any.whl and .data/corpus/ present):
 #   BUDGET_S=585 TOTAL_S=800 bash quality/run_device.sh     # first call: trains, saves state in $KEEP
 #   BUDGET_S=420 TOTAL_S=800 bash quality/run_device.sh     # next call on the same (warm) machine: resumes
+# ARCHS="kimi" trains one model (on GPU 0); PACK=0 skips packing the checkpoint (a first call).
 # Each call ends with both checkpoints + logs packed in $OUT as one tar split in 15 MB parts
 # (returned files are capped at 16 MiB each, 8 files). Elsewhere with fla installed,
 # `python quality/train.py --arch qwen35 --minutes 13 --out out/qwen35` (and --arch kimi) is all it takes.
@@ -13,6 +14,8 @@ DEADLINE=$((START + ${BUDGET_S:-585}))
 TOTAL_S=${TOTAL_S:-800}
 EVAL_N=${EVAL_N:-500}
 KEEP=${KEEP:-/tmp/keep}
+ARCHS=${ARCHS:-"qwen35 kimi"}
+PACK=${PACK:-1}
 OUT=${OUT:-out/device}
 mkdir -p "$KEEP" "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -24,7 +27,7 @@ python3 -c "import fla, transformers, torch, triton; print('fla', fla.__version_
 NGPU=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TRITON_CACHE_AUTOTUNING=1
 I=0; PIDS=""
-for A in qwen35 kimi; do
+for A in $ARCHS; do
   mkdir -p $KEEP/$A
   CUDA_VISIBLE_DEVICES=$(( I % NGPU )) python3 quality/train.py --arch $A --minutes 60 --total-train-s $TOTAL_S \
     --state $KEEP/$A.state --out $KEEP/$A --deadline $DEADLINE --eval-n $EVAL_N --require-fla \
@@ -34,12 +37,13 @@ done
 for P in $PIDS; do wait $P; done
 echo "training + eval done at $(( $(date +%s) - START )) s"
 rm -f $OUT/*
-for A in qwen35 kimi; do
+for A in $ARCHS; do
   cp $KEEP/$A.log $KEEP/$A/stdout.log
   [ -f $KEEP/$A/eval.json ] || echo '{}' > $KEEP/$A/eval.json
 done
-tar -cf - -C $KEEP qwen35 kimi | split -b 15000000 -d -a 1 - $OUT/models.tar.part
-for A in qwen35 kimi; do
+[ "$PACK" = 1 ] && tar -cf - -C $KEEP $ARCHS | split -b 15000000 -d -a 1 - $OUT/models.tar.part
+[ "$PACK" = 1 ] || cp $KEEP/*.log $OUT/
+for A in $ARCHS; do
   echo "== $A"
   grep -E '"event": "(start|gradcheck|fla_guard_patched|resumed|train_done|eval|final_eval|saved)"' $KEEP/$A.log | cut -c1-700
   grep '"step"' $KEEP/$A.log | grep -v event | tail -n 1

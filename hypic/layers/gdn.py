@@ -15,6 +15,8 @@ from torch import nn
 from ..compose.transition import Form
 from ..config import ModelConfig
 from .linear import LinearMixer, dense_summary_kernel
+
+SHORT_RUN = 64
 from .norm import RMSNormGated
 
 
@@ -56,7 +58,10 @@ class GatedDeltaNet(LinearMixer):
     def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False):
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.reshape(-1, self.h, self.dk), k.reshape(-1, self.h, self.dk), v.reshape(-1, self.hv, self.dv)
-        fn = self.ops.recurrent_gated_delta_rule if int((cu[1:] - cu[:-1]).max()) == 1 else self.ops.chunk_gated_delta_rule
+        # short runs only (decode tokens, seam windows, a short query): the fused recurrent kernel is one
+        # launch of exact fp32 steps; the chunked one costs several launches and pads every run to 64
+        short = int((cu[1:] - cu[:-1]).max()) <= SHORT_RUN
+        fn = self.ops.recurrent_gated_delta_rule if short else self.ops.chunk_gated_delta_rule
         return dense_summary_kernel(fn, q, k, v, init, cu, summarize, readout, g=f["g"][None, idx], beta=f["beta"][None, idx],
                                     use_qk_l2norm_in_kernel=True)
 

@@ -275,8 +275,8 @@ class LinearMixer(nn.Module):
         s0 = before[at]                                                  # [R, H, K, V]
         # o = o(0) + S0^T u, the runs padded to the longest for one batched product
         lmax = max(lens)
-        run_of = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(lens)).to(x.device)
-        pos = (torch.arange(sum(lens)) - torch.repeat_interleave(cu[:-1], torch.tensor(lens))).to(x.device)
+        run_of = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(lens)).to(x.device, non_blocking=True)
+        pos = (torch.arange(sum(lens)) - torch.repeat_interleave(cu[:-1], torch.tensor(lens))).to(x.device, non_blocking=True)
         up = u.new_zeros(len(runs), lmax, h, kk)
         up[run_of, pos] = u
         corr = torch.einsum("rlhk,rhkv->rlhv", up.float(), s0)[run_of, pos]

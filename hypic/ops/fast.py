@@ -56,7 +56,7 @@ def _cu(cu_seqlens, device):
     if hit is None:
         from fla.ops.utils import prepare_chunk_indices
 
-        dev = cpu.to(device)
+        dev = cpu.to(device, non_blocking=True)
         hit = (dev, cpu, prepare_chunk_indices(dev, 64, cu_seqlens_cpu=cpu))
         if len(_CU) > 256:
             _CU.clear()
@@ -117,15 +117,15 @@ def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: st
     w_rows = (blocks - lens - wm1)[:, None] + torch.arange(wm1)[None]              # rows of each window
     xx = x.new_empty(n + r * wm1, c)
     dev = x.device
-    xx[x_rows.to(dev)] = x
-    xx[w_rows.reshape(-1).to(dev)] = windows.reshape(-1, c).to(x.dtype)
+    xx[x_rows.to(dev, non_blocking=True)] = x
+    xx[w_rows.reshape(-1).to(dev, non_blocking=True)] = windows.reshape(-1, c).to(x.dtype)
     y = F.conv1d(xx.t()[None].to(weight.dtype), weight[:, None], bias, groups=c)[0].t()   # [n + r*wm1 - wm1, C]
-    y = y[(x_rows - wm1).to(dev)]
+    y = y[(x_rows - wm1).to(dev, non_blocking=True)]
     if activation == "silu":
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
-    new_windows = xx[((blocks - wm1)[:, None] + torch.arange(wm1)[None]).reshape(-1).to(dev)].view(r, wm1, c)
+    new_windows = xx[((blocks - wm1)[:, None] + torch.arange(wm1)[None]).reshape(-1).to(dev, non_blocking=True)].view(r, wm1, c)
     return y.to(x.dtype), new_windows
 
 
@@ -188,7 +188,7 @@ def decode_attention(q, k, v, lengths, *, scale: float):
 
 # -- MoE -------------------------------------------------------------------------------------------------
 def experts_forward(x, weights, experts, gate_up, down):
-    """Tokens sorted by expert, two grouped GEMMs, and a deterministic fp32 combine (no atomics)."""
+    """Tokens sorted by expert, two grouped GEMMs, and a deterministic combine (a batched GEMM, no atomics)."""
     if x.dtype == torch.float64 or (x.is_cuda and x.dtype != torch.bfloat16):   # grouped GEMM: bf16 on CUDA
         return ref.experts_forward(x, weights, experts, gate_up, down)
     n, k = experts.shape
@@ -199,6 +199,9 @@ def experts_forward(x, weights, experts, gate_up, down):
     xs = x[order // k]
     gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)     # [n*k, H]
-    y = torch.empty_like(ys)
-    y[order] = ys
-    return (y.view(n, k, -1).float() * weights.float()[..., None]).sum(1).to(x.dtype)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    # back in token order by a gather (a scatter of n*k rows costs more), then the weighted sum of each
+    # token's k rows as one batched GEMM (fp32 accumulation inside, no fp32 copy of the n*k rows)
+    y = ys[inv].view(n, k, -1)
+    return torch.bmm(weights.to(y.dtype).view(n, 1, k), y).view(n, -1).to(x.dtype)

@@ -57,7 +57,7 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu: list[in
         return before, final
     bk = max(16, triton.next_power_of_2(k))
     bv = bv or 64
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=init.device)
+    cu_t = torch.tensor(cu, dtype=torch.int32).to(init.device, non_blocking=True)
     grid = (r, h, triton.cdiv(v, bv))
     _scan_kernel[grid](init, T, S, before, final, cu_t, H=h, K=k, V=v, BK=bk, BV=bv, PREC=precision,
                       num_warps=warps or 8)

@@ -120,5 +120,7 @@ class BatchBuilder:
         return work
 
     def build(self, *, exact_transition: bool = True, walk: str = "phased") -> ForwardBatch:
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        # pageable host -> device without non_blocking makes PyTorch synchronize the stream: the host
+        # would stop running ahead of the GPU at every forward
+        t = lambda x: torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
         return ForwardBatch(t(self.ids), t(self.pos), self.seqs, t(self.logits_rows), exact_transition, walk)

@@ -204,7 +204,7 @@ class StaticDecoder:
             logits = self.logits
         else:
             logits = self.model(st.batch())
-        return logits[torch.tensor(rows, device=logits.device)]
+        return logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
 
 
 def _kv_len(state) -> int:
