@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh bench [ARGS]   the 35B benchmark (benchmarks/gpu_bench.py ARGS)
 # Logs and JSON go to $OUT (the device tool brings them back) and benchmarks/results/.
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -18,10 +18,11 @@ ARCHS=${ARCHS:-"qwen35 kimi"}
 PACK=${PACK:-1}
 OUT=${OUT:-out/device}
 mkdir -p "$KEEP" "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${SKIP_INSTALL:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
+    || exit 1
 fi
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv
 python3 -c "import fla, transformers, torch, triton; print('fla', fla.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" || exit 1
 NGPU=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
