@@ -35,8 +35,10 @@ class AttentionMixer(nn.Module):
         """-> (q [N, H, Dk], k [N, Hkv, Dk] position-free, v [N, Hkv, Dv], extra passed to output)."""
         raise NotImplementedError
 
-    def place_keys(self, k: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
-        """Keys as attended at absolute `positions` (RoPE); NoPE: unchanged."""
+    def place_keys(self, k: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None,
+                   key=None) -> torch.Tensor:
+        """Keys as attended at absolute `positions` (RoPE); NoPE: unchanged. positions are the batch's own
+        (key None) or, with a key, positions whose tables batch.scratch[key] caches for later layers."""
         return k
 
     def place_queries(self, q: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -98,11 +100,14 @@ class AttentionMixer(nn.Module):
             applies = [p for p in seq.pieces if isinstance(p, Apply)]
             if applies:                       # every cached segment placed with one RoPE call
                 kvs = [p.entry.layers[L] for p in applies]
-                pos = torch.cat([torch.arange(p.position, p.position + kv.k.shape[0]) for p, kv in zip(applies, kvs)])
-                pos = pos.to(x.device, non_blocking=True)
+                key = ("placed", id(seq))       # positions (and their RoPE tables): the same in every layer
+                if key not in batch.scratch:
+                    pos = torch.cat([torch.arange(p.position, p.position + kv.k.shape[0]) for p, kv in zip(applies, kvs)])
+                    batch.scratch[key] = pos.to(x.device, non_blocking=True)
+                pos = batch.scratch[key]
                 kk = kvs[0].k if len(kvs) == 1 else torch.cat([kv.k for kv in kvs])
                 vv = kvs[0].v if len(kvs) == 1 else torch.cat([kv.v for kv in kvs])
-                buf.append(self.place_keys(kk.to(x.dtype), pos, None), vv.to(x.dtype), pos)
+                buf.append(self.place_keys(kk.to(x.dtype), pos, batch, key), vv.to(x.dtype), pos)
             sl = slice(seq.start, seq.end)
             if seq.end > seq.start:           # the active tokens: the runs back to back
                 buf.append(k[sl], v[sl], batch.positions[sl])
@@ -138,17 +143,20 @@ class RopeAttention(AttentionMixer):
         super().__init__(layer_idx, ops)
         self.rotary = [rotary] if rotary is not None else None   # shared module, kept out of this module's parameters
 
-    def _rope(self, positions, dtype, batch):
-        if batch is not None:
-            if "rope" not in batch.scratch:
-                batch.scratch["rope"] = self.rotary[0].cos_sin(batch.positions, dtype)
-            return batch.scratch["rope"]
-        return self.rotary[0].cos_sin(positions, dtype)
+    def _rope(self, positions, dtype, batch, key="rope"):
+        if batch is None:
+            return self.rotary[0].cos_sin(positions, dtype)
+        key = (key, "rope", dtype)
+        if key not in batch.scratch:
+            batch.scratch[key] = self.rotary[0].cos_sin(positions, dtype)
+        return batch.scratch[key]
 
-    def place_keys(self, k, positions, batch):
+    def place_keys(self, k, positions, batch, key=None):
         if self.rotary is None:
             return k
-        cos, sin = self._rope(positions, k.dtype, batch)
+        if key is None and batch is not None:
+            positions = batch.positions
+        cos, sin = self._rope(positions, k.dtype, batch, "rope" if key is None else key)
         return self.rotary[0].apply(k, cos, sin)
 
     def place_queries(self, q, positions, batch):

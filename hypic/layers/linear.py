@@ -275,8 +275,12 @@ class LinearMixer(nn.Module):
         s0 = before[at]                                                  # [R, H, K, V]
         # o = o(0) + S0^T u, the runs padded to the longest for one batched product
         lmax = max(lens)
-        run_of = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(lens)).to(x.device, non_blocking=True)
-        pos = (torch.arange(sum(lens)) - torch.repeat_interleave(cu[:-1], torch.tensor(lens))).to(x.device, non_blocking=True)
+        key = ("readout rows", tuple(lens))             # the same for every linear layer of this forward
+        if key not in batch.scratch:
+            lt = torch.tensor(lens)
+            batch.scratch[key] = (torch.repeat_interleave(torch.arange(len(runs)), lt).to(x.device, non_blocking=True),
+                                  (torch.arange(sum(lens)) - torch.repeat_interleave(cu[:-1], lt)).to(x.device, non_blocking=True))
+        run_of, pos = batch.scratch[key]
         up = u.new_zeros(len(runs), lmax, h, kk)
         up[run_of, pos] = u
         corr = torch.einsum("rlhk,rhkv->rlhv", up.float(), s0)[run_of, pos]

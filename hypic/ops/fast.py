@@ -99,6 +99,29 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
                         use_qk_l2norm_in_kernel)
 
 
+_CONV: dict = {}
+
+
+def _conv_layout(cu: tuple, wm1: int, device):
+    """Device index tensors of one varlen conv layout (rows of x, of the windows, of the outputs and of
+    the new windows in the padded buffer), made once and reused by every layer of a forward."""
+    key = (cu, wm1, str(device))
+    hit = _CONV.get(key)
+    if hit is None:
+        r, n = len(cu) - 1, cu[-1]
+        lens = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])])
+        run_of = torch.repeat_interleave(torch.arange(r), lens)                   # run index of each row
+        x_rows = torch.arange(n) + wm1 * (run_of + 1)                              # row of x[i] in xx
+        blocks = torch.tensor(cu[1:]) + wm1 * torch.arange(1, r + 1)               # end of each block in xx
+        w_rows = (blocks - lens - wm1)[:, None] + torch.arange(wm1)[None]          # rows of each window
+        tails = (blocks - wm1)[:, None] + torch.arange(wm1)[None]                  # rows of each new window
+        hit = tuple(t.reshape(-1).to(device, non_blocking=True) for t in (x_rows, w_rows, x_rows - wm1, tails))
+        if len(_CONV) > 256:
+            _CONV.clear()
+        _CONV[key] = hit
+    return hit
+
+
 def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: str | None = "silu"):
     """All runs of a varlen batch in one depthwise conv.
 
@@ -108,24 +131,18 @@ def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: st
     Returns (y [n, C] in x's dtype, new_windows [R, W-1, C])."""
     n, c = x.shape
     wm1 = weight.shape[-1] - 1
-    cu = cu_seqlens.tolist()
-    r = len(cu) - 1
-    lens = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])])
-    run_of = torch.repeat_interleave(torch.arange(r), lens)                       # run index of each row
-    x_rows = torch.arange(n) + wm1 * (run_of + 1)                                  # row of x[i] in xx
-    blocks = torch.tensor(cu[1:]) + wm1 * torch.arange(1, r + 1)                   # end of each block in xx
-    w_rows = (blocks - lens - wm1)[:, None] + torch.arange(wm1)[None]              # rows of each window
+    r = cu_seqlens.shape[0] - 1
+    x_rows, w_rows, y_rows, tail_rows = _conv_layout(tuple(cu_seqlens.tolist()), wm1, x.device)
     xx = x.new_empty(n + r * wm1, c)
-    dev = x.device
-    xx[x_rows.to(dev, non_blocking=True)] = x
-    xx[w_rows.reshape(-1).to(dev, non_blocking=True)] = windows.reshape(-1, c).to(x.dtype)
+    xx[x_rows] = x
+    xx[w_rows] = windows.reshape(-1, c).to(x.dtype)
     y = F.conv1d(xx.t()[None].to(weight.dtype), weight[:, None], bias, groups=c)[0].t()   # [n + r*wm1 - wm1, C]
-    y = y[(x_rows - wm1).to(dev, non_blocking=True)]
+    y = y[y_rows]
     if activation == "silu":
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
-    new_windows = xx[((blocks - wm1)[:, None] + torch.arange(wm1)[None]).reshape(-1).to(dev, non_blocking=True)].view(r, wm1, c)
+    new_windows = xx[tail_rows].view(r, wm1, c)
     return y.to(x.dtype), new_windows
 
 
