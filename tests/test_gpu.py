@@ -105,3 +105,21 @@ def test_cuda_graph_decode_matches_eager_buffers():
     for a, b in zip(graph, eager):
         assert a.token_ids == b.token_ids
         assert rel(a.logits, b.logits) < 1e-3
+
+
+@cuda
+@pytest.mark.skipif(fast._fla_conv() is None, reason="needs fla-core")
+def test_fla_varlen_conv_matches_reference():
+    """fla's Triton conv behind causal_conv1d_varlen: windows in, new windows out, runs shorter than
+    the window included (fp32: only the summation order differs)."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    lens = [5, 1, 9, 70, 2]
+    c, w = 48, 4
+    x = torch.randn(sum(lens), c, device="cuda", generator=g)
+    weight = torch.randn(c, w, device="cuda", generator=g)
+    bias = torch.randn(c, device="cuda", generator=g)
+    windows = torch.randn(len(lens), w - 1, c, device="cuda", generator=g)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    y0, n0 = ref.causal_conv1d_varlen(x, weight, bias, windows, cu, activation="silu")
+    y1, n1 = fast.causal_conv1d_varlen(x, weight, bias, windows, cu, activation="silu")
+    assert rel(y1, y0) < 1e-5 and torch.equal(n1, n0)

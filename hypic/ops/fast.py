@@ -2,7 +2,8 @@
 
     gated delta rule   fla-core's Triton kernels (chunk for prefill, fused recurrent for decode)
                        when the tensors are on CUDA and fla imports; the reference otherwise
-    short conv         one depthwise conv over all runs of a varlen batch (any device)
+    short conv         fla-core's Triton varlen conv on CUDA; elsewhere one depthwise conv over all
+                       runs of a varlen batch
     attention          PyTorch SDPA: flash (causal) when the keys are exactly the queries' tokens,
                        else memory-efficient with a position mask, GQA folded into the query axis;
                        decode over fixed-size per-sequence slots without a host sync
@@ -35,6 +36,16 @@ def _fla():
     except Exception:  # ImportError, or triton missing / broken on this machine
         return None
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_conv():
+    """fla-core's Triton short conv (channels last, varlen, initial and final states), or None."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except Exception:
+        return None
+    return causal_conv1d
 
 
 def fla_available() -> bool:
@@ -132,6 +143,17 @@ def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: st
     n, c = x.shape
     wm1 = weight.shape[-1] - 1
     r = cu_seqlens.shape[0] - 1
+    conv = _fla_conv() if x.is_cuda and activation in (None, "silu") else None
+    if conv is not None:
+        # fla's state is the last W inputs channels-first, the newest last ([N, C, W]); the kernel reads
+        # its last W-1 columns, which are hypic's window transposed (tested in tests/test_gpu.py)
+        cu, cu_cpu, chunks = _cu(cu_seqlens, x.device)
+        init = x.new_zeros(r, c, wm1 + 1)
+        init[:, :, 1:] = windows.transpose(1, 2)
+        y, final = conv(x=x[None], weight=weight, bias=bias, initial_state=init, output_final_state=True,
+                        activation=activation, backend="triton", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                        chunk_indices=chunks)
+        return y[0], final[:, :, 1:].transpose(1, 2).contiguous()
     x_rows, w_rows, y_rows, tail_rows = _conv_layout(tuple(cu_seqlens.tolist()), wm1, x.device)
     xx = x.new_empty(n + r * wm1, c)
     xx[x_rows] = x
