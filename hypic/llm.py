@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from typing import Sequence
 
 import torch
@@ -107,6 +109,40 @@ class LLM:
 
     def score(self, prompt: Prompt, continuation) -> list[float]:
         """Teacher-forced log-probabilities of the continuation tokens after the prompt."""
+        cont = self._continuation(continuation)
+        (req,) = self.make_requests([prompt], SamplingParams(max_tokens=len(cont)))
+        self._fits(req, cont)
+        first = self.engine.prefill([req])[0]
+        out = self._forced(req, first, cont)
+        req.state = None
+        return out
+
+    def generate_and_score(self, prompt: Prompt, continuation,
+                           sampling_params: SamplingParams | None = None) -> tuple[RequestOutput, list[float]]:
+        """generate() and score() of one prompt from a single prefill: the state after the prompt is
+        forked, one copy teacher-forced through `continuation`, the other decoded. Equal to the two
+        calls made separately (tests/test_api.py), at the cost of one prefill."""
+        cont = self._continuation(continuation)
+        (req,) = self.make_requests([prompt], sampling_params)
+        (forked,) = self.make_requests([prompt], SamplingParams(max_tokens=len(cont)))
+        self._fits(forked, cont)
+        eng = self.engine
+        t0 = time.perf_counter()
+        req.t_start = t0
+        first = eng.prefill([req])[0]
+        eng.accept(req, first)
+        req.ttft_s = time.perf_counter() - t0
+        forked.state = eng.fork(req)
+        logp = self._forced(forked, first, cont)
+        forked.state = None
+        return eng.complete([req])[0], logp
+
+    def _forced(self, req, first: torch.Tensor, cont: list[int]) -> list[float]:
+        rest = self.engine.extend(req, cont[:-1]) if len(cont) > 1 else first.new_empty(0, first.shape[-1])
+        logp = torch.log_softmax(torch.cat([first[None], rest]), dim=-1)
+        return [float(logp[i, t]) for i, t in enumerate(cont)]
+
+    def _continuation(self, continuation) -> list[int]:
         if isinstance(continuation, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("continuation is text but the model has no tokenizer")
@@ -119,14 +155,11 @@ class LLM:
         for t in cont:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size:
                 raise InvalidRequestError(f"continuation token {t!r} is outside the vocabulary")
-        (req,) = self.make_requests([prompt], SamplingParams(max_tokens=len(cont)))
-        if len(req.prompt) + len(cont) > cfg.max_position_embeddings:
+        return cont
+
+    def _fits(self, req, cont: list[int]) -> None:
+        if len(req.prompt) + len(cont) > self.engine.cfg.max_position_embeddings:
             raise InvalidRequestError("prompt plus continuation exceed the model's maximum length")
-        first = self.engine.prefill([req])[0]
-        rest = self.engine.extend(req, cont[:-1]) if len(cont) > 1 else first.new_empty(0, first.shape[-1])
-        logp = torch.log_softmax(torch.cat([first[None], rest]), dim=-1)
-        req.state = None
-        return [float(logp[i, t]) for i, t in enumerate(cont)]
 
     def clear_cache(self) -> None:
         self.engine.segments.clear()

@@ -129,8 +129,8 @@ def run(a) -> None:
                         rec.update(kl_full=float(kl.mean()), kl_full_first=float(kl[0]),
                                    agree_full=float((ref.argmax(-1) == rows_lp.argmax(-1)).float().mean()))
                 else:
-                    o = llm.generate([prompt], params)[0]
-                    nll = -sum(llm.score(prompt, cont))
+                    o, lp = llm.generate_and_score(prompt, cont, params)     # one prefill for both
+                    nll = -sum(lp)
                     rec.update(pred=o.text.strip(), em=exact_match(o.text, gold), f1=f1(o.text, gold), nll=nll,
                                prompt_tokens=o.num_prompt_tokens, composed_tokens=o.composed_tokens,
                                recomputed_tokens=o.recomputed_tokens, ttft_s=o.ttft_s)

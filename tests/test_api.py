@@ -87,6 +87,24 @@ def test_score_matches_generation_logits(tiny):
         tiny.score(p, [])
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_generate_and_score_equal_separate_calls(decode):
+    """One prefill, forked: the generation and the scores are those of generate() and score() (fp32;
+    the same ops on the same inputs, so equal up to the order of a few sums: 1e-5)."""
+    llm = LLM("tiny-qwen3.5", cache_mode="pic", seam=4, decode=decode)
+    p = _good()
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
+    cont = [11, 12, 13, 14]
+    out, lp = llm.generate_and_score(p, cont, sp)
+    ref_out = llm.generate([p], sp)[0]
+    ref_lp = llm.score(p, cont)
+    assert out.token_ids == ref_out.token_ids and out.composed_tokens == ref_out.composed_tokens
+    torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=0)
+    assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-5
+    with pytest.raises(InvalidRequestError):
+        llm.generate_and_score(p, [], sp)
+
+
 def test_namespaces_isolate_segments(tiny):
     tiny.clear_cache()
     seg = rand_ids(50, 9)

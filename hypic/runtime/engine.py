@@ -221,6 +221,10 @@ class Engine:
             for r, row in zip(group, logits):
                 self.accept(r, row)
                 r.ttft_s = now - r.t_start
+        return self.complete(reqs)
+
+    def complete(self, reqs: list[Request]) -> list[RequestOutput]:
+        """Decode prefilled requests (each has its first token) until every one stops; their outputs."""
         running = [r for r in reqs if not r.finished]
         while running:
             logits = self.step(running)
@@ -228,6 +232,16 @@ class Engine:
                 self.accept(r, row)
             running = [r for r in running if not r.finished]
         return [self.finish(r) for r in reqs]
+
+    def fork(self, r: Request) -> SeqState:
+        """A copy of r's state that another request can continue from while r goes on: KV buffers are
+        copied (appends write in place), linear states are new objects over the same tensors (layers
+        assign new tensors, never write into given ones)."""
+        if self.decoder is not None:
+            self.decoder.release(r, write_back=True)
+        st = SeqState(length=r.state.length, capacity_hint=r.state.capacity_hint)
+        st.layers = {l: s.fork() for l, s in r.state.layers.items()}
+        return st
 
     def finish(self, r: Request) -> RequestOutput:
         """The request's output; releases its state (KV, recurrent states)."""

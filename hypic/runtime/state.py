@@ -37,6 +37,9 @@ class LinearState:
     def nbytes(self) -> int:
         return nbytes(self.rec, self.conv)
 
+    def fork(self) -> "LinearState":
+        return LinearState(self.rec, self.conv)
+
     def tensors(self):
         yield "rec", self.rec
         if self.conv is not None:
@@ -74,6 +77,13 @@ class KVBuffer:
 
     def view(self):
         return self.k[: self.n], self.v[: self.n], self.pos[: self.n]
+
+    def fork(self) -> "KVBuffer":
+        """A buffer of its own with the same keys (capacity kept, so appends do not reallocate)."""
+        k = self.k
+        other = KVBuffer(k.shape[1], k.shape[2], self.v.shape[2], dtype=k.dtype, device=k.device, capacity=k.shape[0])
+        other.append(*self.view())
+        return other
 
     @property
     def nbytes(self) -> int:
