@@ -47,12 +47,13 @@ def recurrent_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_st
 
 
 def chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              chunk_size=64):
+              chunk_size=16):
     """Chunked form. Within a chunk, G_t = cumulative log decay from the chunk start ([.., K] or [.., 1]):
         o_t = (q_t * exp(G_t))^T S_0 + sum_{s<=t} (q_t . (exp(G_t - G_s) * k_s)) v_s
         S_C = exp(G_C) * S_0 + sum_s (exp(G_C - G_s) * k_s) v_s^T
     Pairwise decays are formed as exp(G_t - G_s) (never exp(-G_s) alone), so long chunks of strong
-    decay cannot overflow."""
+    decay cannot overflow. They are a [C, C, Kg] tensor per chunk, so the work grows with C: 16 is
+    4-7x faster than 64 on the CPU for per-channel decays (measured 2026-11-30)."""
     dtype = v.dtype
     if cu_seqlens is not None:
         (q, k, v, g), lens = _pad_varlen((q, k, v, g), cu_seqlens)
