@@ -136,3 +136,37 @@ def test_reference_backend_equals_fast(hf_checkpoints):
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["prefix", "pic"])
+def test_one_call_walk_for_long_chains_equals_rounds(hf_checkpoints, monkeypatch, mode):
+    """On CUDA the readout walk also takes chains of long runs (prefix-mode spans, isolated prefills):
+    forced here on the CPU, it equals the rounds walk, and the prefix-cache states it captures serve
+    later requests identically."""
+    from hypic.layers import linear
+
+    path = hf_checkpoints["qwen3_5"][1]
+    first, again = _requests(6), _requests(6)
+    again = [Prompt(prefix=p.prefix, segments=p.segments[:1] + p.segments[1:][::-1], query=p.query) for p in again]
+    sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
+    seen = []                     # per readout call: (longest non-last run, any run summarized for the cache)
+    orig = linear.LinearMixer._forward_readout
+
+    def spy(self, x, f, batch):
+        runs = [r for s in batch.seqs for r in s.runs]
+        seen.append((max((r.n for s in batch.seqs for r in s.runs[:-1]), default=0), any(r.summarize for r in runs)))
+        return orig(self, x, f, batch)
+
+    monkeypatch.setattr(linear.LinearMixer, "_forward_readout", spy)
+    outs = {}
+    for walk in ("rounds", "phased"):
+        monkeypatch.setattr(linear, "LONG_CHAINS_EVERYWHERE", walk == "phased")
+        llm = LLM(str(path), cache_mode=mode, seam=4, walk=walk)
+        outs[walk] = llm.generate(first, sp) + llm.generate(again, sp)
+    if mode == "prefix":                          # long chains did take the one-call walk
+        assert max(n for n, _ in seen) > 64
+    else:                                         # and so did the isolated prefills of cold segments
+        assert any(summ for _, summ in seen)
+    for a, b in zip(outs["rounds"], outs["phased"]):
+        assert a.token_ids == b.token_ids and a.prefix_tokens == b.prefix_tokens
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)

@@ -123,9 +123,9 @@ class LinearMixer(nn.Module):
         for seq in batch.seqs:
             if L not in seq.state.layers:
                 seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)
-        if batch.walk == "phased" and _phased_ok(batch):           # (batches without cached segments walk
-                                                                    # in rounds: one call per run of a sequence)
-            if self.readout and batch.exact_transition:
+        one_call = self.readout and batch.exact_transition
+        if batch.walk == "phased" and _phased_ok(batch, one_call and (x.is_cuda or LONG_CHAINS_EVERYWHERE)):
+            if one_call:
                 out = self._forward_readout(x, f, batch)
             else:
                 out = self._forward_phased(x, f, batch)
@@ -466,20 +466,25 @@ def _is_view_of(t, base) -> bool:
 
 
 _SHORT_RUN = 64
+LONG_CHAINS_EVERYWHERE = False     # tests: take the one-call walk for long chains on the CPU too
 
 
-def _phased_ok(batch) -> bool:
+def _phased_ok(batch, long_chains: bool = False) -> bool:
     """The phased walk pays when the runs that later runs depend on are short (seam windows between
     cached segments, the seam part of an isolated prefill): their summaries cost little. A long run
-    followed by another (a prefix-mode chain of marked spans) would be summarized at full length:
-    walk those in rounds."""
-    applies = False
+    followed by another (a prefix-mode chain of marked spans) would be summarized at full length: the
+    CPU walks those in rounds. long_chains (the one-call readout walk on CUDA): every sequence of
+    several pieces goes in one call whatever the run lengths: summarizing costs K extra value
+    columns in one kernel, while rounds cost a kernel call and its host overhead per span per layer
+    (a 20-span prefix chain: 20 calls per layer)."""
+    applies = many = False
     for seq in batch.seqs:
         runs = [p for p in seq.pieces if isinstance(p, Run)]
         applies = applies or len(runs) < len(seq.pieces)
-        if any(r.n > _SHORT_RUN for r in runs[:-1]):
+        many = many or len(seq.pieces) > 1
+        if not long_chains and any(r.n > _SHORT_RUN for r in runs[:-1]):
             return False
-    return applies
+    return applies or (long_chains and many)
 
 
 def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, readout: bool = False, **kw):
