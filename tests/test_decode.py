@@ -97,3 +97,19 @@ def test_decode_attention_fast_equals_reference():
     o0 = ref.decode_attention(q, k, v, lengths, scale=0.3)
     o1 = fast.decode_attention(q, k, v, lengths, scale=0.3)
     torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)
+
+
+def test_rows_grow_while_decoding(hf_checkpoints):
+    """Rows reserve KV for a few tokens ahead, not the whole max_tokens; a row that fills up makes the
+    buffers grow between steps, and decoding goes on unchanged."""
+    path = hf_checkpoints["qwen3_5"][1]
+    p = _requests(7)[1]
+    sp = SamplingParams(max_tokens=40, return_logits=True, ignore_eos=True)
+    ref = LLM(str(path), decode="dynamic").generate([p], sp)[0]
+    llm = LLM(str(path), decode="static")
+    dec = llm.engine.decoder
+    dec.min_cap, dec.ahead = 16, 4
+    got = llm.generate([p], sp)[0]
+    assert got.token_ids == ref.token_ids
+    torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=0)
+    assert dec.builds >= 2                       # grew at least once while decoding

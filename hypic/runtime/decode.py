@@ -13,7 +13,8 @@ logits [R, V] (`ForwardBatch.static`: every mixer has a static branch). No host 
 changes between steps: on CUDA it is captured once per (rows, capacity) bucket and replayed.
 
 Rows are slots: a request is loaded into a free row when it first decodes (its SeqState's layers
-copied in), and leaves when it finishes; a request that leaves unfinished gets its state written
+copied in), and leaves when it finishes; rows hold KV for the next `ahead` tokens and grow (a
+rebuild) when one runs out; a request that leaves unfinished gets its state written
 back first, so `SeqState` stays the truth outside this module. When the rows or the KV capacity
 run out, the buffers are rebuilt at the next bucket (rows: powers of two; KV slots: eighths of a
 power of two) and the graph recaptured.
@@ -91,10 +92,13 @@ class StaticDecoder:
     graphs: capture the step as a CUDA graph (CUDA only); otherwise the same buffers run eagerly
     (what the CPU tests compare against the dynamic step)."""
 
-    def __init__(self, model, device, dtype, *, graphs: bool, min_rows: int = 1, min_cap: int = 256):
+    def __init__(self, model, device, dtype, *, graphs: bool, min_rows: int = 1, min_cap: int = 256,
+                 ahead: int = 256):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.graphs = graphs and self.device.type == "cuda"
         self.min_rows, self.min_cap = min_rows, min_cap
+        self.ahead = ahead                    # KV slots reserved past what a row holds (grown on demand)
+        self.max_len = model.config.max_position_embeddings
         self.static: StaticDecode | None = None
         self.graph = None
         self.logits: torch.Tensor | None = None
@@ -106,8 +110,10 @@ class StaticDecoder:
 
     # -- rows ------------------------------------------------------------------------------------------
     def _need(self, r) -> int:
-        """KV slots request r needs until it stops: what it holds plus its remaining tokens."""
-        return max(r.state.length, _kv_len(r.state)) + max(1, r.params.max_tokens - len(r.output_ids)) + 1
+        """KV slots request r needs for its next `ahead` tokens (not its whole max_tokens: a row's
+        capacity grows when it runs out, so a long max_tokens does not reserve memory up front)."""
+        held = max(r.state.length, _kv_len(r.state)) if id(r) not in self.row_of else self.kv_len[id(r)]
+        return min(held + min(self.ahead, max(1, r.params.max_tokens - len(r.output_ids))) + 1, self.max_len + 1)
 
     @torch.inference_mode()
     def release(self, r, write_back: bool = False) -> None:
@@ -179,12 +185,14 @@ class StaticDecoder:
             r = self.reqs[key]
             self.release(r, write_back=r.state is not None and not r.finished)
         new = [r for r in reqs if id(r) not in self.row_of]
-        cap_need = max([self._need(r) for r in new] + [0])
-        if new and (self.static is None or len(reqs) > self.static.rows_n or cap_need > self.static.cap):
-            rows = _bucket(len(reqs), self.min_rows) if self.static is None else max(
-                self.static.rows_n, _bucket(len(reqs), self.min_rows))
-            cap = max(_cap_bucket(cap_need, self.min_cap), self.static.cap if self.static else 0)
-            self._rebuild(rows, cap)
+        full = [r for r in reqs if id(r) in self.row_of and self.kv_len[id(r)] + 1 > self.static.cap]
+        if new or full:
+            cap_need = max(self._need(r) for r in new + full)
+            if self.static is None or len(reqs) > self.static.rows_n or cap_need > self.static.cap:
+                rows = _bucket(len(reqs), self.min_rows) if self.static is None else max(
+                    self.static.rows_n, _bucket(len(reqs), self.min_rows))
+                cap = max(_cap_bucket(cap_need, self.min_cap), self.static.cap if self.static else 0)
+                self._rebuild(rows, cap)
         for r in new:
             self._admit(r)
         st = self.static
