@@ -102,6 +102,7 @@ class StaticDecoder:
         self.static: StaticDecode | None = None
         self.graph = None
         self.logits: torch.Tensor | None = None
+        self.pinned: list = []                # tensors a captured graph reads by address (kept alive)
         self.row_of: dict[int, int] = {}      # id(request) -> row
         self.reqs: dict[int, object] = {}     # id(request) -> request (rows in use)
         self.kv_len: dict[int, int] = {}      # id(request) -> keys held in its row (host count)
@@ -135,6 +136,7 @@ class StaticDecoder:
         for r in moving:
             self.release(r, write_back=True)
         self.static = self.graph = self.logits = None
+        self.pinned = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.static = StaticDecode(self.model, rows, cap, self.device, self.dtype)
