@@ -103,7 +103,9 @@ class SimpleGlaMixer(LinearMixer):
         return r.to(next(self.parameters()).device)
 
     def _decay(self, n: int, device) -> torch.Tensor:
-        return (-self.slopes.to(device))[None].expand(n, self.h)                  # [N, H] log decay
+        if self.slopes.device != torch.device(device):     # moved once: a copy per call would also
+            self.slopes = self.slopes.to(device)          # break CUDA-graph capture of the decode step
+        return (-self.slopes)[None].expand(n, self.h)                             # [N, H] log decay
 
 
 class LightningAttention(SimpleGlaMixer):
