@@ -52,33 +52,41 @@ def fla_available() -> bool:
     return _fla() is not None
 
 
-_CU: dict = {}
+_LAYOUTS: dict = {}
+
+
+def _layout(key, make):
+    """Device tensors derived from one varlen layout, made once and reused by every layer of a forward
+    (and by later forwards of the same layout); bounded, cleared when full."""
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        if len(_LAYOUTS) > 512:
+            _LAYOUTS.clear()
+        hit = _LAYOUTS[key] = make()
+    return hit
 
 
 def _cu(cu_seqlens, device):
-    """(cu on the device, cu on the CPU, fla chunk indices) for one varlen layout, made once and reused
-    by every layer of a forward: fla caches its derived index tensors by the identity of the device
-    tensor, and building them costs a host-to-device copy and ~1 ms of CPU per call."""
+    """(cu on the device, cu on the CPU, fla chunk indices) for one varlen layout: fla caches its
+    derived index tensors by the identity of the device tensor, and building them costs a
+    host-to-device copy and ~1 ms of CPU per call."""
     if cu_seqlens is None:
         return None, None, None
     cpu = cu_seqlens.cpu()
-    key = (tuple(cpu.tolist()), str(device))
-    hit = _CU.get(key)
-    if hit is None:
+
+    def make():
         from fla.ops.utils import prepare_chunk_indices
 
         dev = cpu.to(device, non_blocking=True)
-        hit = (dev, cpu, prepare_chunk_indices(dev, 64, cu_seqlens_cpu=cpu))
-        if len(_CU) > 256:
-            _CU.clear()
-        _CU[key] = hit
-    return hit
+        return dev, cpu, prepare_chunk_indices(dev, 64, cu_seqlens_cpu=cpu)
+
+    return _layout(("cu", tuple(cpu.tolist()), str(device)), make)
 
 
 def pin_layouts() -> list:
     """The cached layout tensors as they are now: a CUDA graph that captured fla calls reads them by
     address, so its owner keeps this list alive (the cache itself may be cleared)."""
-    return list(_CU.values())
+    return list(_LAYOUTS.values())
 
 
 def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -110,15 +118,10 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
                         use_qk_l2norm_in_kernel)
 
 
-_CONV: dict = {}
-
-
 def _conv_layout(cu: tuple, wm1: int, device):
-    """Device index tensors of one varlen conv layout (rows of x, of the windows, of the outputs and of
-    the new windows in the padded buffer), made once and reused by every layer of a forward."""
-    key = (cu, wm1, str(device))
-    hit = _CONV.get(key)
-    if hit is None:
+    """Device index tensors of one varlen conv layout: rows of x, of the windows, of the outputs and of
+    the new windows in the padded buffer."""
+    def make():
         r, n = len(cu) - 1, cu[-1]
         lens = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])])
         run_of = torch.repeat_interleave(torch.arange(r), lens)                   # run index of each row
@@ -126,11 +129,9 @@ def _conv_layout(cu: tuple, wm1: int, device):
         blocks = torch.tensor(cu[1:]) + wm1 * torch.arange(1, r + 1)               # end of each block in xx
         w_rows = (blocks - lens - wm1)[:, None] + torch.arange(wm1)[None]          # rows of each window
         tails = (blocks - wm1)[:, None] + torch.arange(wm1)[None]                  # rows of each new window
-        hit = tuple(t.reshape(-1).to(device, non_blocking=True) for t in (x_rows, w_rows, x_rows - wm1, tails))
-        if len(_CONV) > 256:
-            _CONV.clear()
-        _CONV[key] = hit
-    return hit
+        return tuple(t.reshape(-1).to(device, non_blocking=True) for t in (x_rows, w_rows, x_rows - wm1, tails))
+
+    return _layout(("conv", cu, wm1, str(device)), make)
 
 
 def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: str | None = "silu"):
