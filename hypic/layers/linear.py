@@ -213,7 +213,8 @@ class LinearMixer(nn.Module):
             idx = _rows([p for _, p in items], x.device)
             cu = torch.tensor([0] + [p.n for _, p in items]).cumsum(0)
             sub = None if conv_out is None else (conv_out if len(sel) == len(runs) else conv_out[idx])
-            o, final, ts = self.kernel(f, sub, idx, init[sel] if len(sel) < len(runs) else init, cu, summarize)
+            part = init if len(sel) == len(runs) else init[torch.tensor(sel).to(init.device, non_blocking=True)]
+            o, final, ts = self.kernel(f, sub, idx, part, cu, summarize)
             out = _place(out, o, idx, x.shape[0])
             for n_, i in enumerate(sel):
                 seq, run = runs[i]
@@ -272,15 +273,18 @@ class LinearMixer(nn.Module):
             cu_maps.append(len(Ts))
         init = torch.stack([seq.state.layers[L].rec for seq in seqs])
         before, final = scan_dense(init, torch.stack(Ts), torch.stack(Ss), cu_maps)
-        s0 = before[at]                                                  # [R, H, K, V]
+        # index tensors of this layout, the same for every linear layer of the forward: made once, on the
+        # device, without a host sync (indexing with a Python list would copy it synchronously per layer)
+        key = ("readout rows", tuple(lens), tuple(at))
+        if key not in batch.scratch:
+            n = sum(lens)
+            lt, at_t, starts = (torch.tensor(t).to(x.device, non_blocking=True) for t in (lens, at, cu[:-1].tolist()))
+            run_of = torch.repeat_interleave(torch.arange(len(runs), device=x.device), lt, output_size=n)
+            batch.scratch[key] = (at_t, run_of, torch.arange(n, device=x.device) - starts[run_of])
+        at_t, run_of, pos = batch.scratch[key]
+        s0 = before[at_t]                                                # [R, H, K, V]
         # o = o(0) + S0^T u, the runs padded to the longest for one batched product
         lmax = max(lens)
-        key = ("readout rows", tuple(lens))             # the same for every linear layer of this forward
-        if key not in batch.scratch:
-            lt = torch.tensor(lens)
-            batch.scratch[key] = (torch.repeat_interleave(torch.arange(len(runs)), lt).to(x.device, non_blocking=True),
-                                  (torch.arange(sum(lens)) - torch.repeat_interleave(cu[:-1], lt)).to(x.device, non_blocking=True))
-        run_of, pos = batch.scratch[key]
         up = u.new_zeros(len(runs), lmax, h, kk)
         up[run_of, pos] = u
         corr = torch.einsum("rlhk,rhkv->rlhv", up.float(), s0)[run_of, pos]
