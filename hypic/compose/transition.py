@@ -113,8 +113,10 @@ def augment(v: torch.Tensor, init: torch.Tensor, k_dim: int):
     return v_aug, torch.cat([init, eye], dim=-1)
 
 
-def split_augmented(final_aug: torch.Tensor, v_dim: int):
-    """final [N, H, K, V + K] -> (S_out [N, H, K, V], [Transition] per sequence)."""
+def split_augmented(final_aug: torch.Tensor, v_dim: int, own: bool = True):
+    """final [N, H, K, V + K] -> (S_out [N, H, K, V], [Transition] per sequence).
+
+    own: each T gets its own memory (entries are cached one by one, and a view would pin the whole
+    batch); False: views, for a caller that clones only what it caches."""
     s_out, t = final_aug[..., :v_dim], final_aug[..., v_dim:]
-    # each T owns its memory: entries are cached one by one, and a view would pin the whole batch
-    return s_out, [Transition(Form.DENSE, t[i].clone()) for i in range(t.shape[0])]
+    return s_out, [Transition(Form.DENSE, t[i].clone() if own else t[i]) for i in range(t.shape[0])]

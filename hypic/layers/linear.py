@@ -291,7 +291,7 @@ class LinearMixer(nn.Module):
         out = _place(None, (o0.float() + corr).to(o0.dtype), idx, x.shape[0])
         for r, (seq, run) in enumerate(runs):
             if run.summarize:
-                run.captures[L] = LinearSummary(ts[r], S[r].clone(), tails.get(r))
+                run.captures[L] = LinearSummary(Transition(ts[r].form, ts[r].t.clone()), S[r].clone(), tails.get(r))
             if run.mark:
                 after = ts[r].apply(s0[r]) + S[r]
                 run.captures[L] = LinearState(after, tails.get(("window", r)))
@@ -506,8 +506,8 @@ def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, readout: bool =
     if summarize:
         v, init_in = augment(v, init, dk)
     o, final = fn(q=q[None], k=k[None], v=v[None], initial_state=init_in, output_final_state=True, cu_seqlens=cu, **kw)
-    if readout:
-        final, ts = split_augmented(final, dv)
+    if readout:                                 # views: the readout walk clones what it caches
+        final, ts = split_augmented(final, dv, own=False)
         return o[0, ..., :dv], o[0, ..., dv:], final, ts
     o = o[0, ..., :dv]
     if not summarize:
