@@ -127,11 +127,8 @@ class LLM:
         (forked,) = self.make_requests([prompt], SamplingParams(max_tokens=len(cont)))
         self._fits(forked, cont)
         eng = self.engine
-        t0 = time.perf_counter()
-        req.t_start = t0
-        first = eng.prefill([req])[0]
-        eng.accept(req, first)
-        req.ttft_s = time.perf_counter() - t0
+        req.t_start = time.perf_counter()
+        first = eng.begin([req])[0]
         forked.state = eng.fork(req)
         logp = self._forced(forked, first, cont)
         forked.state = None

@@ -216,12 +216,18 @@ class Engine:
         for r in reqs:
             r.t_start = t0
         for group in _by_policy(reqs):
-            logits = self.prefill(group)
-            now = time.perf_counter()
-            for r, row in zip(group, logits):
-                self.accept(r, row)
-                r.ttft_s = now - r.t_start
+            self.begin(group)
         return self.complete(reqs)
+
+    def begin(self, reqs: list[Request]) -> torch.Tensor:
+        """Prefill requests of one policy (t_start set), sample their first tokens, record TTFT;
+        returns the last-token logits [B, V]."""
+        logits = self.prefill(reqs)
+        now = time.perf_counter()
+        for r, row in zip(reqs, logits):
+            self.accept(r, row)
+            r.ttft_s = now - r.t_start
+        return logits
 
     def complete(self, reqs: list[Request]) -> list[RequestOutput]:
         """Decode prefilled requests (each has its first token) until every one stops; their outputs."""
