@@ -5,6 +5,7 @@
 #   BUDGET_S=585 TOTAL_S=800 bash quality/run_device.sh     # first call: trains, saves state in $KEEP
 #   BUDGET_S=420 TOTAL_S=800 bash quality/run_device.sh     # next call on the same (warm) machine: resumes
 # ARCHS="kimi" trains one model (on GPU 0); PACK=0 skips packing the checkpoint (a first call).
+# TRAIN_ARGS adds train.py arguments (e.g. "--init checkpoints/kimi-kda-16m --lr 1e-3" for continued training).
 # Each call ends with both checkpoints + logs packed in $OUT as one tar split in 15 MB parts
 # (returned files are capped at 16 MiB each, 8 files). Elsewhere with fla installed,
 # `python quality/train.py --arch qwen35 --minutes 13 --out out/qwen35` (and --arch kimi) is all it takes.
@@ -32,7 +33,7 @@ for A in $ARCHS; do
   mkdir -p $KEEP/$A
   CUDA_VISIBLE_DEVICES=$(( I % NGPU )) python3 quality/train.py --arch $A --minutes 60 --total-train-s $TOTAL_S \
     --state $KEEP/$A.state --out $KEEP/$A --deadline $DEADLINE --eval-n $EVAL_N --require-fla \
-    --workers 6 >> $KEEP/$A.log 2>&1 &
+    --workers ${WORKERS:-6} ${TRAIN_ARGS:-} >> $KEEP/$A.log 2>&1 &
   PIDS="$PIDS $!"; I=$((I + 1))
 done
 for P in $PIDS; do wait $P; done

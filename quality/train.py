@@ -415,6 +415,9 @@ def main():
                     help="length of the LR schedule in training seconds, across resumed runs (default: --minutes)")
     ap.add_argument("--state", default="", help="file to resume from (if it exists) and to save the full state to")
     ap.add_argument("--skip-eval", action="store_true")
+    ap.add_argument("--init", default="",
+                    help="checkpoint directory to start from (continued training; ignored when --state resumes)")
+    ap.add_argument("--warm", type=float, default=0.04, help="warm-up share of the LR schedule")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -471,6 +474,15 @@ def main():
         opt.load_state_dict(st["opt"])
         prev_s, step0, tokens0 = st["train_s"], st["step"], st["tokens"]
         log({"event": "resumed", "from": args.state, "train_s": prev_s, "step": step0, "tokens": tokens0})
+    elif args.init:
+        # Continued training: the weights of a saved checkpoint (bf16 on disk, fp32 master weights here), a new
+        # optimizer and a new LR schedule (re-warmed). Step and token counts restart; the log says where from.
+        src = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+        if missing or unexpected:
+            sys.exit(f"--init {args.init}: missing {missing[:5]} unexpected {unexpected[:5]}")
+        del src
+        log({"event": "init", "from": args.init})
     total_s = args.total_train_s or args.minutes * 60
     ds = RowDataset(P, args.seq, args.batch, args.seed + 7919 * step0, mix)
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers,
@@ -492,7 +504,7 @@ def main():
         frac = min(1.0, (prev_s + time.time() - t0) / total_s) if step > 0 else 0.0
         if frac >= 1.0 or time.time() - t0 >= budget or step >= args.max_steps or (args.deadline and time.time() > args.deadline - args.reserve):
             break
-        warm = 0.04
+        warm = args.warm
         lr = args.lr * (frac / warm if frac < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (frac - warm) / (1 - warm))))
         lr = max(lr, args.lr * 0.01)
         for g in opt.param_groups:
