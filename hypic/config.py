@@ -590,10 +590,15 @@ class EngineConfig:
     walk: str = "phased"               # linear layers' compose pass: "phased" (batched) or "rounds" (plain)
     decode: str = "auto"               # "dynamic" (a planned batch per step), "static" (fixed buffers),
                                        # "graph" (fixed buffers replayed as a CUDA graph); auto: graph on CUDA
+    compose: str = "auto"              # one request's compose pass: "eager" (the planned walk), "static" (fixed
+                                       # buffers, runtime/compose_graph.py), "graph" (those replayed as a CUDA
+                                       # graph); auto: graph on CUDA, eager elsewhere
 
     def __post_init__(self):
         if self.decode not in ("auto", "dynamic", "static", "graph"):
             raise ConfigError(f"unknown decode {self.decode!r}; use 'auto', 'dynamic', 'static' or 'graph'")
+        if self.compose not in ("auto", "eager", "static", "graph"):
+            raise ConfigError(f"unknown compose {self.compose!r}; use 'auto', 'eager', 'static' or 'graph'")
         if self.walk not in ("phased", "rounds"):
             raise ConfigError(f"unknown walk {self.walk!r}; use 'phased' or 'rounds'")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
@@ -609,6 +614,12 @@ class EngineConfig:
         if self.decode != "auto":
             return self.decode
         return "graph" if self.device.startswith("cuda") else "dynamic"
+
+    @property
+    def compose_mode(self) -> str:
+        if self.compose != "auto":
+            return self.compose
+        return "graph" if self.device.startswith("cuda") else "eager"
 
     @property
     def torch_dtype(self):

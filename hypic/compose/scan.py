@@ -24,25 +24,30 @@ def scan_chain(init: torch.Tensor, maps: list, *, exact: list[bool] | None = Non
     return before, state
 
 
-def scan_dense_reference(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu: list[int]):
+def scan_dense_reference(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, order=None):
     """init [R, H, K, V], T [M, H, K, K], S [M, H, K, V], cu [R + 1] (maps of request r: cu[r]..cu[r+1]).
+    order [M] (optional): map j of the chains is storage slot order[j] of T, S and before.
     Returns (before [M, H, K, V], final [R, H, K, V]), fp32."""
     before = torch.empty_like(S, dtype=torch.float32)
     final = torch.empty_like(init, dtype=torch.float32)
+    cu = cu.tolist() if torch.is_tensor(cu) else cu
+    order = order.tolist() if torch.is_tensor(order) else order
     for r in range(len(cu) - 1):
         state = init[r].float()
         for j in range(cu[r], cu[r + 1]):
-            before[j] = state
-            state = T[j].float() @ state + S[j].float()
+            s = j if order is None else order[j]
+            before[s] = state
+            state = T[s].float() @ state + S[s].float()
         final[r] = state
     return before, final
 
 
-def scan_dense(init, T, S, cu: list[int]):
-    """The same on CUDA in one kernel launch (the reference elsewhere)."""
+def scan_dense(init, T, S, cu, order=None):
+    """The same on CUDA in one kernel launch (the reference elsewhere). cu: a list, or an int32 device
+    tensor (read by the kernel: no host copy, CUDA-graph safe), as is order."""
     if not init.is_cuda or _kernel() is None:
-        return scan_dense_reference(init, T, S, cu)
-    return _kernel()(init, T, S, cu)
+        return scan_dense_reference(init, T, S, cu, order)
+    return _kernel()(init, T, S, cu, order=order)
 
 
 _KERNEL = None

@@ -83,10 +83,57 @@ class AttentionMixer(nn.Module):
         st.n.copy_(at + 1)
         return self.output(x, self.ops.decode_attention(q, st.k, st.v, st.n, scale=self.scale), extra)
 
+    # -- the fixed-buffer compose pass (runtime/compose_graph.py) ---------------------------------------
+    graph_compose = True
+
+    def compose_buffers(self, shape, device, dtype) -> dict:
+        z = lambda n, d: torch.zeros(n, self.num_kv_heads, d, dtype=dtype, device=device)  # noqa: E731
+        return dict(k=z(shape.keys, self.key_dim), v=z(shape.keys, self.value_dim),
+                    hk=z(shape.held, self.key_dim), hv=z(shape.held, self.value_dim))
+
+    def compose_fill(self, buf: dict, low, L: int) -> None:
+        """The keys the request holds (as attended), then its cached segments' position-free keys and
+        values, packed in order."""
+        if low.held:
+            k, v, _ = low.state.layers[L].view()
+            buf["hk"][: low.held] = k
+            buf["hv"][: low.held] = v
+        parts = [e.layers[L] for e in low.entries]
+        torch.cat([p.k for p in parts], out=buf["k"][: low.kc])
+        torch.cat([p.v for p in parts], out=buf["v"][: low.kc])
+
+    def _forward_captured(self, x, batch):
+        """Every cached key placed at its position (one RoPE call from the positions table), the active
+        tokens' keys after them; each query attends to the keys whose mask position is at most its own
+        (pads never visible). The keys and values stay in the pass's outputs for the request's state."""
+        c = batch.captured
+        buf = c.layers[self.layer_idx]
+        q, k_raw, v, extra = self.project(x, batch)
+        q = self.place_queries(q, batch.positions, batch)
+        k = self.place_keys(k_raw, batch.positions, batch)
+        kc = self.place_keys(buf["k"], c.kpos, batch, "placed")
+        keys, values = torch.cat([buf["hk"], kc, k]), torch.cat([buf["hv"], buf["v"], v])
+        c.outputs[self.layer_idx] = (keys, values)
+        return self.output(x, self.attend(q, keys, values, batch.positions, c.kmask), extra)
+
+    def compose_state(self, out, bufs, low, old, capacity: int) -> KVBuffer:
+        """The request's keys after the pass: those it held (its buffer, appended to), the placed
+        segments', the active tokens'."""
+        keys, values = out
+        p0 = bufs.shape.held
+        kp, n = p0 + bufs.shape.keys, low.n
+        kv = old if old is not None else self.new_state(keys.device, keys.dtype, capacity)
+        kv.reserve(low.kc + n)
+        kv.append(keys[p0 : p0 + low.kc], values[p0 : p0 + low.kc], bufs.kpos[: low.kc])
+        kv.append(keys[kp : kp + n], values[kp : kp + n], bufs.positions[:n])
+        return kv
+
     # -- forward ---------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.static is not None:
             return self._forward_static(x, batch)
+        if batch.captured is not None:
+            return self._forward_captured(x, batch)
         L, n = self.layer_idx, x.shape[0]
         q, k_raw, v, extra = self.project(x, batch)
         q = self.place_queries(q, batch.positions, batch)

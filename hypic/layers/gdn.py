@@ -23,6 +23,7 @@ from .norm import RMSNormGated
 class GatedDeltaNet(LinearMixer):
     form = Form.DENSE
     readout = True
+    graph_compose = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
         super().__init__(layer_idx, ops)
@@ -55,12 +56,14 @@ class GatedDeltaNet(LinearMixer):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)   # [N, HV] fp32
         return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(self.in_proj_b(x))}
 
-    def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False):
+    def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None):
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.reshape(-1, self.h, self.dk), k.reshape(-1, self.h, self.dk), v.reshape(-1, self.hv, self.dv)
         # short runs only (decode tokens, seam windows, a short query): the fused recurrent kernel is one
         # launch of exact fp32 steps; the chunked one costs several launches and pads every run to 64
-        short = int((cu[1:] - cu[:-1]).max()) <= SHORT_RUN
+        # (short given: the caller knows, and cu may be on the device: reading it would sync)
+        if short is None:
+            short = int((cu[1:] - cu[:-1]).max()) <= SHORT_RUN
         fn = self.ops.recurrent_gated_delta_rule if short else self.ops.chunk_gated_delta_rule
         return dense_summary_kernel(fn, q, k, v, init, cu, summarize, readout, g=f["g"][None, idx], beta=f["beta"][None, idx],
                                     use_qk_l2norm_in_kernel=True)

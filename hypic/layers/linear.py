@@ -29,6 +29,8 @@ from ..runtime.state import LinearState
 class LinearMixer(nn.Module):
     form: Form                       # the family's transition form
     readout: bool = False            # kernel(..., readout=True) gives u_t (dense families; dense_summary_kernel)
+    graph_compose: bool = False      # runs the fixed-buffer compose pass (runtime/compose_graph.py): a readout
+                                     # family whose kernel takes device cu_seqlens for short runs (short=True)
     conv_width: int = 0              # W of the short causal conv over "raw" (0: no conv)
     conv_activation: str | None = "silu"
 
@@ -114,12 +116,84 @@ class LinearMixer(nn.Module):
         st.rec.copy_(final)
         return o
 
+    # -- the fixed-buffer compose pass (runtime/compose_graph.py) ---------------------------------------
+    def compose_buffers(self, shape, device, dtype) -> dict:
+        h, k, v = self.state_shape
+        m = shape.entries + shape.runs
+        wm1 = self.conv_width - 1
+        return dict(T=torch.zeros(m, h, k, k, device=device), S=torch.zeros(m, h, k, v, device=device),
+                    init=torch.zeros(1, h, k, v, device=device),
+                    src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
+
+    def compose_fill(self, buf: dict, low, L: int) -> None:
+        """The request's cached segments into the slots: (T, S) at storage 0..E-1, the tails packed."""
+        parts = [e.layers[L] for e in low.entries]
+        e = len(parts)
+        st = low.state.layers.get(L)
+        if st is None:
+            buf["init"].zero_()
+        else:
+            buf["init"][0] = st.rec
+        if self.conv_width:
+            wm1 = self.conv_width - 1
+            if st is None or st.conv is None:
+                buf["src"][:wm1].zero_()
+            else:
+                buf["src"][:wm1] = st.conv
+        torch.stack([p.T.t for p in parts], out=buf["T"][:e])
+        torch.stack([p.S for p in parts], out=buf["S"][:e])
+        if self.conv_width:
+            tails = [p.tail[p.tail.shape[0] - t:] for p, (_, t) in zip(parts, low.tail_rows) if t]
+            if tails:
+                a = low.tail_rows[0][0]
+                torch.cat(tails, out=buf["src"][a : a + sum(t.shape[0] for t in tails)])
+
+    def _forward_captured(self, x, f, batch):
+        """The compose pass of one lowered request over fixed buffers (no host sync, fixed shapes): the
+        conv as a gather over the source rows, every run summarized from zero with its readout in one
+        kernel call, the chain of maps in one scan (storage order through `order`), each run's outputs
+        corrected by its initial state. Equal to `_forward_readout` up to rounding
+        (tests/test_compose_graph.py)."""
+        from ..compose.scan import scan_dense
+
+        c = batch.captured
+        buf = c.layers[self.layer_idx]
+        sh = c.shape
+        e, r = sh.entries, sh.runs
+        raw = f["raw"]
+        src = buf["src"]
+        src[src.shape[0] - sh.tokens :] = raw
+        weight, bias = self.conv_weights()
+        win = src[c.conv_idx]                                                  # [Np, W, C]
+        y = torch.einsum("nwc,cw->nc", win.float(), weight.float())
+        if bias is not None:
+            y = y + bias.float()
+        conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
+        h, kk, vv = self.state_shape
+        zeros = x.new_zeros(r, h, kk, vv, dtype=torch.float32)
+        o0, u, S, ts = self.kernel(f, conv_out, slice(0, sh.tokens), zeros, c.cu, True, readout=True, short=True)
+        torch.stack([t.t for t in ts], out=buf["T"][e:])
+        buf["S"][e:] = S
+        before, _ = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order)
+        s0 = before[e:]                                                         # [R, H, K, V] each run's start
+        up = u.new_zeros(r, sh.lmax, h, kk)
+        up[c.run_of, c.pos_in_run] = u
+        corr = torch.einsum("rlhk,rhkv->rlhv", up.float(), s0)[c.run_of, c.pos_in_run]
+        c.outputs[self.layer_idx] = (before[e + r - 1], src[c.window])         # final state, conv window
+        return (o0.float() + corr).to(o0.dtype)
+
+    def compose_state(self, out, bufs, low, old, capacity: int) -> LinearState:
+        final, window = out
+        return LinearState(final.clone(), window.clone() if self.conv_width else None)
+
     # -- the walk ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         L = self.layer_idx
         f = self.features(x, batch)
         if batch.static is not None:
             return self.output(x, self._forward_static(x, f, batch), f)
+        if batch.captured is not None:
+            return self.output(x, self._forward_captured(x, f, batch), f)
         for seq in batch.seqs:
             if L not in seq.state.layers:
                 seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)

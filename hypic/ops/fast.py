@@ -97,8 +97,11 @@ def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_fina
         fn = (ref.chunk_gated_delta_rule, ref.recurrent_gated_delta_rule)[which]
         return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    cu, cu_cpu, chunks = _cu(cu_seqlens, q.device)
-    extra = dict(cu_seqlens_cpu=cu_cpu, chunk_indices=chunks) if which == 0 else {}
+    if which == 1 and cu_seqlens is not None and cu_seqlens.is_cuda:
+        cu, extra = cu_seqlens, {}             # device lengths (the captured compose pass): the kernel reads them
+    else:
+        cu, cu_cpu, chunks = _cu(cu_seqlens, q.device)
+        extra = dict(cu_seqlens_cpu=cu_cpu, chunk_indices=chunks) if which == 0 else {}
     init = None if initial_state is None else initial_state.float().contiguous()
     o, final = kern[which](q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=init,
                            output_final_state=output_final_state, cu_seqlens=cu,

@@ -18,8 +18,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _scan_kernel(init, T, S, before, final, cu, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _scan_kernel(init, T, S, before, final, cu, order, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ORDER: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -36,18 +36,23 @@ def _scan_kernel(init, T, S, before, final, cu, H: tl.constexpr, K: tl.constexpr
     j1 = tl.load(cu + r + 1)
     j = j0
     while j < j1:
-        base_kv = (j * H + h).to(tl.int64) * K * V
+        if ORDER:
+            m = tl.load(order + j)
+        else:
+            m = j
+        base_kv = (m * H + h).to(tl.int64) * K * V
         tl.store(before + base_kv + off_kv, x, mask=m_kv)
-        t = tl.load(T + (j * H + h).to(tl.int64) * K * K + off_kk, mask=m_kk, other=0.0)
+        t = tl.load(T + (m * H + h).to(tl.int64) * K * K + off_kk, mask=m_kk, other=0.0)
         s = tl.load(S + base_kv + off_kv, mask=m_kv, other=0.0)
         x = tl.dot(t, x, input_precision=PREC) + s
         j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
 
-def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu: list[int], *, bv: int | None = None,
+def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, order=None, bv: int | None = None,
                warps: int | None = None, precision: str = "tf32x3"):
-    """init [R, H, K, V], T [M, H, K, K], S [M, H, K, V] (fp32), cu [R + 1] -> (before [M, H, K, V], final)."""
+    """init [R, H, K, V], T [M, H, K, K], S [M, H, K, V] (fp32), cu [R + 1] -> (before [M, H, K, V], final).
+    cu: a list or an int32 device tensor; order [M] int32 (device, optional): map j is slot order[j]."""
     r, h, k, v = init.shape
     init, T, S = init.float().contiguous(), T.float().contiguous(), S.float().contiguous()
     before = torch.empty_like(S)
@@ -57,8 +62,8 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu: list[in
         return before, final
     bk = max(16, triton.next_power_of_2(k))
     bv = bv or 64
-    cu_t = torch.tensor(cu, dtype=torch.int32).to(init.device, non_blocking=True)
+    cu_t = cu if torch.is_tensor(cu) else torch.tensor(cu, dtype=torch.int32).to(init.device, non_blocking=True)
     grid = (r, h, triton.cdiv(v, bv))
-    _scan_kernel[grid](init, T, S, before, final, cu_t, H=h, K=k, V=v, BK=bk, BV=bv, PREC=precision,
-                      num_warps=warps or 8)
+    _scan_kernel[grid](init, T, S, before, final, cu_t, cu_t if order is None else order, H=h, K=k, V=v, BK=bk,
+                       BV=bv, PREC=precision, ORDER=order is not None, num_warps=warps or 8)
     return before, final

@@ -64,6 +64,7 @@ class ForwardBatch:
     walk: str = "phased"        # linear layers: "phased" (batched compose) or "rounds" (the plain walk)
     scratch: dict[str, Any] = field(default_factory=dict)   # per-forward derived tensors (RoPE tables)
     static: Any = None          # runtime.decode.StaticDecode: one token per row over fixed buffers (no seqs)
+    captured: Any = None        # runtime.compose_graph.ComposeBuffers: one lowered request over fixed buffers
 
     @property
     def num_tokens(self) -> int:

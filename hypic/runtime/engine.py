@@ -22,6 +22,7 @@ from ..prefill.isolated import prefill_segments
 from ..segment.spans import TokenizedPrompt
 from ..types import RequestOutput, SamplingParams
 from .batch import BatchBuilder
+from .compose_graph import GraphCompose
 from .decode import StaticDecoder
 from .sampler import sample
 from .state import SeqState
@@ -61,6 +62,9 @@ class Engine:
         mode = config.decode_mode
         self.decoder = None if mode == "dynamic" else StaticDecoder(
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=mode == "graph")
+        cmode = config.compose_mode
+        self.composer = None if cmode == "eager" else GraphCompose(
+            self.model, self.device, self.model.lm_head.weight.dtype, graphs=cmode == "graph")
 
     # -- stage 1: plan -------------------------------------------------------------------------
     def _plan(self, reqs: list[Request]) -> list[PrefillPlan]:
@@ -135,7 +139,12 @@ class Engine:
         exact = {r.policy.exact_transition for r in reqs}
         if len(exact) > 1:
             raise ValueError("naive and exact transitions cannot share a forward pass")
-        logits = self.model(builder.build(exact_transition=exact.pop(), walk=self.config.walk))
+        exact = exact.pop()
+        logits = None
+        if self.composer is not None and len(works) == 1:      # fixed buffers / a replayed graph, if it fits
+            logits = self.composer.forward(works[0], builder.ids, builder.pos, exact)
+        if logits is None:
+            logits = self.model(builder.build(exact_transition=exact, walk=self.config.walk))
         for r, p, w in zip(reqs, plans, works):
             if p.mode is CacheMode.PREFIX:
                 self._insert_boundaries(p, w)

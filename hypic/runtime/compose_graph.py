@@ -1,0 +1,302 @@
+"""The compose pass of one request over fixed buffers, captured once per shape as a CUDA graph.
+
+A warm `pic` request is a few hundred active tokens (seam windows, the query) around many cached
+segments. The plain compose pass walks its pieces in Python in every layer: on a GPU it is
+host-bound (thousands of launches, each a few microseconds of work). Here the request is lowered
+once, on the host, to device tables, and the forward becomes a pure function of fixed buffers:
+
+    tokens     ids, positions [Np]: the N active tokens, then a pad run of Np - N >= 1 tokens
+    runs       cu [R + 1] (R - 1 real runs, then the pad run); run_of, pos_in_run [Np]
+    chain      the maps in order: storage slots 0..E-1 hold the cached segments' (T, S), slots
+               E..E+R-1 the runs' zero-start summaries (written by the pass); order [E + R] lists
+               the slots in sequence order, the pad run last, so the scan's state before it is
+               the request's final state and every run gets a finite initial state
+    conv       one source buffer per linear layer: the initial window, the entries' tails packed,
+               then the active raw inputs; conv_idx [Np, W] names each token's W inputs in it
+    linear     the initial state [1, H, K, V] (the request's, after a cached prefix; else zero)
+    attention  the keys the request holds already (a cached prefix, as attended) [P, Hkv, D], then
+               the entries' position-free keys and values packed [Kc, Hkv, D] with their positions;
+               a mask position per key (pads: never visible)
+
+Before a replay the request's tables are copied in (one host-to-device copy each) and its cached
+tensors stacked into the fixed buffers (one op per layer and kind, `_fill`); after it, the
+request's states are cut out of the pass's outputs (`_states`). Buckets (`ComposeShape`) keep
+the number of distinct graphs small: tokens by 64, cached keys by eighths of a power of two; the
+numbers of runs and entries are exact. Only what the lowering covers is taken: one request, fresh
+exact transitions, cached segments present, runs of at most 64 tokens, every stateful
+layer able to run it (`LinearMixer.graph_compose`); anything else goes the plain way.
+The same buffers run eagerly where graphs are off (CPU tests compare them with the plain pass).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .batch import Apply, ForwardBatch, Run, SeqWork
+from .state import KVBuffer, LinearState
+
+log = logging.getLogger("hypic.compose")
+
+MAX_RUN = 64            # longest run the lowering takes (the fused recurrent kernel's range)
+MAX_TOKENS = 2048       # most active tokens
+_NEVER = 1 << 62        # the mask position of a key no query may see
+
+
+@dataclass(frozen=True)
+class ComposeShape:
+    tokens: int         # Np
+    runs: int           # R, the pad run included
+    entries: int        # E
+    keys: int           # Kc bucket: cached keys per attention layer
+    held: int           # P bucket: keys the request holds before the pass (a cached prefix)
+    lmax: int           # longest run, padded (the readout correction's row count)
+
+
+def _round(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def _keys_bucket(n: int, least: int = 256) -> int:
+    if n <= least:
+        return least
+    step = max(least, 1 << (n.bit_length() - 4))
+    return _round(n, step)
+
+
+@dataclass
+class Lowered:
+    """One request's layout: the shape, the host tables and the cached tensors to stack."""
+
+    shape: ComposeShape
+    n: int                      # active tokens
+    kc: int                     # cached keys
+    held: int                   # keys held before the pass
+    state: object               # the request's SeqState (initial linear states and held keys)
+    tables: dict                # name -> CPU tensor (copied into the fixed buffer of that name)
+    entries: list               # the Apply pieces' entries, storage order
+    tail_rows: list             # rows each entry's tail occupies in the conv source (per linear layer: same)
+
+
+def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, held: int) -> Lowered | None:
+    """The request's tables, or None when the lowering does not cover it. held: keys the request's
+    attention layers hold already (with their positions in the state)."""
+    runs = [p for p in work.pieces if isinstance(p, Run)]
+    applies = [p for p in work.pieces if isinstance(p, Apply)]
+    if not applies or not runs or any(r.summarize or r.mark or r.n > MAX_RUN for r in runs):
+        return None
+    n = work.end - work.start
+    if work.start != 0 or n + 1 > MAX_TOKENS:
+        return None
+    np_ = _round(n + 1, 64)
+    pad = np_ - n
+    if pad > MAX_RUN:
+        return None
+    e, r = len(applies), len(runs) + 1
+    lens = [p.n for p in runs] + [pad]
+    lmax = _round(max(lens), 8)
+    kc = sum(p.entry.cached_tokens for p in applies)
+    shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax)
+
+    cu = torch.tensor([0] + lens).cumsum(0)
+    run_of = torch.repeat_interleave(torch.arange(r), torch.tensor(lens))
+    pos_in_run = torch.arange(np_) - cu[:-1][run_of]
+    # the chain in sequence order (storage: entries 0..E-1, runs E..E+R-1), the pad run last
+    order, ei, ri = [], 0, 0
+    for p in work.pieces:
+        if isinstance(p, Apply):
+            order.append(ei)
+            ei += 1
+        else:
+            order.append(e + ri)
+            ri += 1
+    order.append(e + r - 1)
+    # conv: the stream of raw inputs as the recurrence sees them (entries by their tails)
+    wm1 = max(conv_width - 1, 0)
+    tail_rows, row = [], wm1
+    for p in applies:
+        t = _tail_len(p.entry, wm1)
+        tail_rows.append((row, t))
+        row += t
+    active0 = wm1 * (1 + e)
+    stream, ei = list(range(wm1)), 0
+    conv_idx = torch.empty(np_, max(conv_width, 1), dtype=torch.long)
+    for p in work.pieces:
+        if isinstance(p, Apply):
+            a, t = tail_rows[ei]
+            stream.extend(range(a, a + t))
+            ei += 1
+            continue
+        for tok in range(p.start, p.end):
+            stream.append(active0 + tok)
+            if conv_width:
+                conv_idx[tok] = torch.tensor(stream[len(stream) - conv_width:])
+    if conv_width:
+        for tok in range(n, np_):                      # pad tokens: their own row W times (finite, unused)
+            conv_idx[tok] = active0 + tok
+    window = torch.tensor(stream[len(stream) - wm1:] if wm1 else [], dtype=torch.long)
+    # attention: the cached keys' positions, then the mask position of every key (pads never visible)
+    kpos = torch.zeros(shape.keys, dtype=torch.long)
+    kpos[:kc] = torch.cat([torch.arange(p.position, p.position + p.entry.cached_tokens) for p in applies])
+    kmask = torch.full((shape.held + shape.keys + np_,), _NEVER, dtype=torch.long)
+    if held:
+        kmask[:held] = _held_positions(work.state)
+    p0 = shape.held
+    kmask[p0 : p0 + kc] = kpos[:kc]
+    tok_pos = torch.zeros(np_, dtype=torch.long)
+    tok_pos[:n] = torch.tensor(positions[work.start:work.end])
+    kmask[p0 + shape.keys : p0 + shape.keys + n] = tok_pos[:n]
+    tok_ids = torch.zeros(np_, dtype=torch.long)
+    tok_ids[:n] = torch.tensor(ids[work.start:work.end])
+    tables = dict(ids=tok_ids, positions=tok_pos, logits_index=torch.tensor([n - 1]), cu=cu,
+                  cu_maps=torch.tensor([0, e + r], dtype=torch.int32), order=torch.tensor(order, dtype=torch.int32),
+                  run_of=run_of, pos_in_run=pos_in_run, kpos=kpos, kmask=kmask)
+    if conv_width:
+        tables.update(conv_idx=conv_idx, window=window)
+    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows)
+
+
+def _held_positions(state) -> torch.Tensor:
+    for part in state.layers.values():
+        if isinstance(part, KVBuffer):
+            return part.view()[2].cpu()
+    raise ValueError("no attention state")
+
+
+def held_keys(model, state) -> int | None:
+    """Keys every attention layer of the state holds (None: the layers disagree, or a state type the
+    lowering does not take)."""
+    counts = set()
+    for l, m in model.mixers.items():
+        part = state.layers.get(l)
+        if part is None:
+            counts.add(0)
+        elif isinstance(part, KVBuffer):
+            counts.add(part.n)
+        elif not isinstance(part, LinearState):
+            return None
+    return counts.pop() if len(counts) == 1 else (0 if not counts else None)
+
+
+def _tail_len(entry, wm1: int) -> int:
+    for part in entry.layers.values():
+        tail = getattr(part, "tail", None)
+        if tail is not None:
+            return min(int(tail.shape[0]), wm1)
+    return 0
+
+
+class ComposeBuffers:
+    """The fixed buffers of one shape: tables, per-layer slots, and what the pass reads them through."""
+
+    def __init__(self, model, shape: ComposeShape, device, dtype):
+        self.shape = shape
+        self.mixers = model.mixers
+        self.device = device
+        np_, r, e = shape.tokens, shape.runs, shape.entries
+        z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        self.ids, self.positions, self.logits_index = z(np_), z(np_), z(1)
+        self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
+        self.cu_maps, self.order = z(2, dt=torch.int32), z(e + r, dt=torch.int32)
+        self.kpos, self.kmask = z(shape.keys), z(shape.held + shape.keys + np_)
+        self.conv_idx, self.window = None, None
+        self.layers = {}
+        for l, m in self.mixers.items():
+            self.layers[l] = m.compose_buffers(shape, device, dtype)
+            w = getattr(m, "conv_width", 0)
+            if w and self.conv_idx is None:
+                self.conv_idx, self.window = z(np_, w), z(w - 1)
+        self.outputs: dict = {}         # layer -> what the pass leaves for the states (set by each forward)
+
+    def batch(self) -> ForwardBatch:
+        return ForwardBatch(self.ids, self.positions, [], self.logits_index, captured=self)
+
+    def load(self, low: Lowered) -> None:
+        for name, t in low.tables.items():
+            getattr(self, name).copy_(t, non_blocking=True)
+        for l, m in self.mixers.items():
+            m.compose_fill(self.layers[l], low, l)
+
+
+class GraphCompose:
+    """Engine-side owner: `forward(work, ids, positions)` -> last-token logits [1, V], or None when the
+    lowering does not cover the request. graphs: replay a CUDA graph per shape (CUDA only); else the
+    same buffers run eagerly."""
+
+    def __init__(self, model, device, dtype, *, graphs: bool, max_shapes: int = 2):
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.graphs = graphs and self.device.type == "cuda"
+        self.max_shapes = max_shapes
+        self.ready: OrderedDict = OrderedDict()      # shape -> (buffers, graph | None, logits | None, pinned)
+        mixers = model.mixers.values()
+        self.supported = bool(mixers) and all(getattr(m, "graph_compose", False) for m in mixers)
+        self.conv_width = max((getattr(m, "conv_width", 0) for m in mixers), default=0)
+        self.captures = 0
+        self.replays = 0
+        self.runs = 0                                # requests composed over the fixed buffers
+
+    def _slot(self, shape: ComposeShape):
+        hit = self.ready.get(shape)
+        if hit is not None:
+            self.ready.move_to_end(shape)
+            return hit
+        while len(self.ready) >= self.max_shapes:
+            self.ready.popitem(last=False)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        bufs = ComposeBuffers(self.model, shape, self.device, self.dtype)
+        hit = [bufs, None, None, []]
+        self.ready[shape] = hit
+        return hit
+
+    def _capture(self, hit) -> None:
+        bufs = hit[0]
+        batch = bufs.batch()
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):                  # warm-up: autotuning, lazy tables, workspaces
+                    batch.scratch.clear()
+                    self.model(batch)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            batch.scratch.clear()
+            with torch.cuda.graph(graph):
+                logits = self.model(batch)
+            from ..ops.fast import pin_layouts
+
+            hit[1], hit[2], hit[3] = graph, logits, [pin_layouts(), dict(bufs.outputs), batch.scratch]
+            self.captures += 1
+        except Exception as e:  # an op that cannot be captured: the same buffers, eagerly
+            log.warning("compose graph capture failed (%s: %s); composing eagerly", type(e).__name__, e)
+            self.graphs = False
+
+    @torch.inference_mode()
+    def forward(self, work: SeqWork, ids: list[int], positions: list[int], exact: bool) -> torch.Tensor | None:
+        if not (self.supported and exact):
+            return None
+        held = held_keys(self.model, work.state)
+        low = None if held is None else lower(work, ids, positions, self.conv_width, held)
+        if low is None:
+            return None
+        hit = self._slot(low.shape)
+        bufs = hit[0]
+        bufs.load(low)
+        if self.graphs and hit[1] is None:
+            self._capture(hit)
+        if hit[1] is not None:
+            hit[1].replay()
+            logits, outputs = hit[2], hit[3][1]
+            self.replays += 1
+        else:
+            logits = self.model(bufs.batch())
+            outputs = bufs.outputs
+        for l, m in self.model.mixers.items():
+            work.state.layers[l] = m.compose_state(outputs[l], bufs, low, work.state.layers.get(l),
+                                                   work.state.capacity_hint)
+        self.runs += 1
+        return logits.clone()

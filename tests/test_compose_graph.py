@@ -1,0 +1,119 @@
+"""The fixed-buffer compose pass (runtime/compose_graph.py), which CUDA graphs replay.
+
+On the CPU the same buffers run eagerly; one request at a time, they must give the planned walk's
+tokens and logits (prefill and the decode after it, whose states the pass hands over), for every
+architecture the lowering takes, and leave every other request to the planned walk."""
+
+import pytest
+import torch
+
+from hypic import LLM, Prompt, SamplingParams
+from hypic.runtime.compose_graph import ComposeShape, lower
+
+from .test_fast import _requests
+from .conftest import rand_ids
+
+# fp32 on the CPU: the fixed-buffer pass runs the same recurrences as the planned walk on
+# differently shaped tensors (a gathered conv instead of a varlen one, padded runs in the readout
+# correction, the chain scanned through a slot order); sums differ in order only (~1e-6 relative
+# per op), and a few decode steps of a random 4-6 layer model keep that under 1e-4 on logits ~1.
+ATOL = 1e-4
+GRAPH_ARCHS = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "llama", "qwen2"}     # GDN hybrids, plain transformers
+
+
+def _one_by_one(llm, prompts, n=5):
+    return [llm.generate([p], SamplingParams(max_tokens=n, return_logits=True, ignore_eos=True))[0] for p in prompts]
+
+
+def _prompts(seed):
+    """Cold and warm requests: short segments (conv windows across pieces, segments within the
+    seam), a repeated segment, a cached prefix (the second time), reordered segments."""
+    ps = _requests(seed)
+    segs = [rand_ids(n, seed + 90 + i) for i, n in enumerate((30, 7, 52))]
+    return ps + [Prompt(segments=segs, query=rand_ids(5, seed + 95)),
+                 Prompt(segments=segs[::-1], query=rand_ids(9, seed + 96)),
+                 ps[0]]
+
+
+@pytest.mark.parametrize("mode", ["pic", "naive"])
+def test_static_compose_equals_planned_walk(hf_checkpoints, arch, mode):
+    path = hf_checkpoints[arch][1]
+    outs, llms = {}, {}
+    for compose in ("eager", "static"):
+        llms[compose] = LLM(str(path), cache_mode=mode, seam=4, compose=compose)
+        outs[compose] = _one_by_one(llms[compose], _prompts(3))
+    for a, b in zip(outs["eager"], outs["static"]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+    comp = llms["static"].engine.composer
+    runs = comp.runs
+    assert comp.supported == (arch in GRAPH_ARCHS)
+    if arch in GRAPH_ARCHS and mode == "pic":
+        # every request with a cached segment took the fixed buffers (one has only short segments)
+        assert runs == sum(o.composed_tokens > 0 for o in outs["static"]) == len(outs["static"]) - 1
+    else:
+        assert runs == 0                            # naive addition, or a family the lowering does not take
+
+
+def test_buffers_reused_across_requests_and_shapes(hf_checkpoints):
+    """Requests of one shape reuse one set of buffers (what a graph replays); a new shape makes a new
+    set, the oldest is dropped past max_shapes; a prefix-holding request after a fresh one leaves no
+    stale keys or states behind (each request equals the planned walk alone)."""
+    path = hf_checkpoints["qwen3_5"][1]
+    prompts = _prompts(7)
+    ref = _one_by_one(LLM(str(path), seam=4, compose="eager"), prompts, n=3)
+    llm = LLM(str(path), seam=4, compose="static")
+    comp = llm.engine.composer
+    comp.max_shapes = 2
+    got = _one_by_one(llm, prompts, n=3)
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+    assert len(comp.ready) == 2 and comp.runs == sum(o.composed_tokens > 0 for o in got) == len(prompts) - 1
+
+
+def test_lowering_tables():
+    """The layout of a small request: pad run last in the chain, conv windows through the tails."""
+    from hypic.runtime.batch import BatchBuilder
+    from hypic.runtime.state import SeqState
+
+    class E:
+        def __init__(self, n, tail_rows):
+            self.cached_tokens = n
+            self.layers = {0: type("P", (), {"tail": torch.zeros(tail_rows, 2)})()}
+
+    b = BatchBuilder("cpu")
+    e1, e2 = E(10, 3), E(2, 2)
+    w = b.add(SeqState(), [("run", [1, 2]), ("apply", e1), ("run", [3]), ("apply", e2), ("run", [4, 5, 6])])
+    low = lower(w, b.ids, b.pos, conv_width=4, held=0)
+    assert low.shape == ComposeShape(tokens=64, runs=4, entries=2, keys=256, held=0, lmax=64)
+    t = low.tables
+    assert t["order"].tolist() == [2, 0, 3, 1, 4, 5]            # runs at 2.., entries at 0, 1; pad run last
+    assert t["cu"].tolist() == [0, 2, 3, 6, 64]
+    assert t["positions"][:6].tolist() == [0, 1, 12, 15, 16, 17]
+    # source rows: 0..2 initial window, 3..5 e1's tail, 6..7 e2's tail, active tokens from 3 * (1 + 2) = 9
+    assert t["conv_idx"][2].tolist() == [3, 4, 5, 11]            # token 3 after e1: its tail, then itself
+    assert t["conv_idx"][3].tolist() == [11, 6, 7, 12]           # token 4: token 3, e2's 2-row tail
+    assert t["window"].tolist() == [12, 13, 14]
+    assert t["kpos"][:12].tolist() == list(range(2, 12)) + [13, 14]
+    assert (t["kmask"][256 + 6 :] == 1 << 62).all() and t["kmask"][256:262].tolist() == [0, 1, 12, 15, 16, 17]
+    assert t["logits_index"].tolist() == [5]
+
+
+def test_not_lowered():
+    """What goes the planned way: no cached segment, a run longer than the fused kernel's range, a
+    summarized run (a cold prefill), several requests (the engine checks that)."""
+    from hypic.runtime.batch import BatchBuilder
+    from hypic.runtime.state import SeqState
+
+    b = BatchBuilder("cpu")
+    assert lower(b.add(SeqState(), [("run", list(range(10)))]), b.ids, b.pos, 4, 0) is None
+
+    class E:
+        cached_tokens, layers = 5, {}
+
+    b = BatchBuilder("cpu")
+    assert lower(b.add(SeqState(), [("apply", E()), ("run", list(range(65)))]), b.ids, b.pos, 4, 0) is None
+    b = BatchBuilder("cpu")
+    w = b.add(SeqState(), [("run", [1, 2], {"summarize": True}), ("apply", E()), ("run", [3])])
+    assert lower(w, b.ids, b.pos, 4, 0) is None
