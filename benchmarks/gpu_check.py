@@ -304,6 +304,27 @@ def check_engine(dev):
         gpu.engine.decoder = dec
         outs[name] = gpu.generate([p], SamplingParams(max_tokens=8, return_logits=True, ignore_eos=True))[0]
     gpu.engine.decoder = graph_dec
+    # compose: the fixed-buffer pass replayed as a CUDA graph (the default on CUDA) against the same
+    # buffers run eagerly (same kernels: bound 1e-3) and against the planned walk (other op shapes:
+    # 2 x yardstick, before any token flip); warm requests, so the second call of each replays
+    from hypic.runtime.compose_graph import GraphCompose
+
+    graph_comp = gpu.engine.composer
+    couts = {}
+    for name, comp in (("graph", graph_comp), ("eager", GraphCompose(gpu.engine.model, dev, torch.bfloat16, graphs=False)),
+                       ("planned", None)):
+        gpu.engine.composer = comp
+        for _ in range(2):
+            couts[name] = gpu.generate([p], SamplingParams(max_tokens=8, return_logits=True, ignore_eos=True))[0]
+    gpu.engine.composer = graph_comp
+    cg, ce, cp = couts["graph"], couts["eager"], couts["planned"]
+    row("engine compose: CUDA graph replay == the same buffers run eagerly", rel(cg.logits, ce.logits), 1e-3,
+        captures=graph_comp.captures if graph_comp else 0, replays=graph_comp.replays if graph_comp else 0,
+        same_tokens=cg.token_ids == ce.token_ids)
+    same = next((i for i, (a, b) in enumerate(zip(cg.token_ids, cp.token_ids)) if a != b), len(cg.token_ids))
+    row("engine compose: CUDA graph == planned walk (steps before any token flip)",
+        rel(cg.logits[: max(1, same)], cp.logits[: max(1, same)]), 2 * yard, steps_compared=max(1, same),
+        same_tokens=cg.token_ids == cp.token_ids)
     g_, e_, d_ = outs["graph"], outs["eager"], outs["dynamic"]
     row("engine decode: CUDA graph replay == the same buffers run eagerly", rel(g_.logits, e_.logits), 1e-3,
         captures=graph_dec.captures if graph_dec else 0, same_tokens=g_.token_ids == e_.token_ids)

@@ -122,22 +122,21 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
         tail_rows.append((row, t))
         row += t
     active0 = wm1 * (1 + e)
-    stream, ei = list(range(wm1)), 0
-    conv_idx = torch.empty(np_, max(conv_width, 1), dtype=torch.long)
+    stream, at, ei = list(range(wm1)), [], 0          # at: each active token's place in the stream
     for p in work.pieces:
         if isinstance(p, Apply):
             a, t = tail_rows[ei]
             stream.extend(range(a, a + t))
             ei += 1
             continue
-        for tok in range(p.start, p.end):
-            stream.append(active0 + tok)
-            if conv_width:
-                conv_idx[tok] = torch.tensor(stream[len(stream) - conv_width:])
+        at.extend(range(len(stream), len(stream) + p.n))
+        stream.extend(range(active0 + p.start, active0 + p.end))
+    stream_t = torch.tensor(stream, dtype=torch.long)
+    conv_idx = torch.empty(np_, max(conv_width, 1), dtype=torch.long)
     if conv_width:
-        for tok in range(n, np_):                      # pad tokens: their own row W times (finite, unused)
-            conv_idx[tok] = active0 + tok
-    window = torch.tensor(stream[len(stream) - wm1:] if wm1 else [], dtype=torch.long)
+        conv_idx[:n] = stream_t[torch.tensor(at)[:, None] + torch.arange(-wm1, 1)[None, :]]
+        conv_idx[n:] = torch.arange(active0 + n, active0 + np_)[:, None]   # pads: their own row (finite, unused)
+    window = stream_t[len(stream) - wm1:]
     # attention: the cached keys' positions, then the mask position of every key (pads never visible)
     kpos = torch.zeros(shape.keys, dtype=torch.long)
     kpos[:kc] = torch.cat([torch.arange(p.position, p.position + p.entry.cached_tokens) for p in applies])
