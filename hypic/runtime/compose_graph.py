@@ -236,6 +236,7 @@ class GraphCompose:
         self.captures = 0
         self.replays = 0
         self.runs = 0                                # requests composed over the fixed buffers
+        self.capture_error: str | None = None
 
     def _slot(self, shape: ComposeShape):
         hit = self.ready.get(shape)
@@ -271,7 +272,9 @@ class GraphCompose:
             hit[1], hit[2], hit[3] = graph, logits, [pin_layouts(), dict(bufs.outputs), batch.scratch]
             self.captures += 1
         except Exception as e:  # an op that cannot be captured: the same buffers, eagerly
-            log.warning("compose graph capture failed (%s: %s); composing eagerly", type(e).__name__, e)
+            log.warning("compose graph capture failed (%s: %s); composing eagerly", type(e).__name__, e,
+                        exc_info=True)
+            self.capture_error = f"{type(e).__name__}: {e}"
             self.graphs = False
 
     @torch.inference_mode()
