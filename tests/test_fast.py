@@ -170,3 +170,22 @@ def test_one_call_walk_for_long_chains_equals_rounds(hf_checkpoints, monkeypatch
     for a, b in zip(outs["rounds"], outs["phased"]):
         assert a.token_ids == b.token_ids and a.prefix_tokens == b.prefix_tokens
         torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
+
+
+def test_long_chains_bounded_by_corrected_tokens():
+    """The one-call walk takes a long chain only while the tokens it must correct (every run that does
+    not open its sequence) stay few; past that, the rounds walk (and its per-span calls) is cheaper."""
+    from hypic.layers import linear
+    from hypic.runtime.batch import BatchBuilder
+    from hypic.runtime.state import SeqState
+
+    def batch(lens):
+        b = BatchBuilder("cpu")
+        b.add(SeqState(), [("run", [1] * n, {"mark": True}) for n in lens])
+        return b.build()
+
+    limit = linear._CORRECTED_TOKENS
+    assert linear._phased_ok(batch([8, 500, 600]), long_chains=True)
+    assert not linear._phased_ok(batch([8, limit + 1]), long_chains=True)          # an 8k isolated prefill
+    assert linear._phased_ok(batch([limit + 1, 8]), long_chains=True)              # the first run needs none
+    assert not linear._phased_ok(batch([8, 500]), long_chains=False)

@@ -544,6 +544,7 @@ def _is_view_of(t, base) -> bool:
 
 
 _SHORT_RUN = 64
+_CORRECTED_TOKENS = 4096
 LONG_CHAINS_EVERYWHERE = False     # tests: take the one-call walk for long chains on the CPU too
 
 
@@ -555,6 +556,12 @@ def _phased_ok(batch, long_chains: bool = False) -> bool:
     several pieces goes in one call whatever the run lengths: summarizing costs K extra value
     columns in one kernel, while rounds cost a kernel call and its host overhead per span per layer
     (a 20-span prefix chain: 20 calls per layer)."""
+    if long_chains:
+        # the readout walk corrects every run that does not open its sequence, over its whole length
+        # ([tokens, H, K] x [H, K, V] in fp32): past a few thousand such tokens that costs more than the
+        # rounds' extra calls (H200 run 12: an 8k isolated prefill +34% with it, +8% in rounds)
+        corrected = sum(p.n for seq in batch.seqs for p in seq.pieces[1:] if isinstance(p, Run))
+        long_chains = corrected <= _CORRECTED_TOKENS
     applies = many = False
     for seq in batch.seqs:
         runs = [p for p in seq.pieces if isinstance(p, Run)]
