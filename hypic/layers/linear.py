@@ -164,8 +164,9 @@ class LinearMixer(nn.Module):
         src = buf["src"]
         src[src.shape[0] - sh.tokens :] = raw
         weight, bias = self.conv_weights()
-        win = src[c.conv_idx]                                                  # [Np, W, C]
-        y = torch.einsum("nwc,cw->nc", win.float(), weight.float())
+        # [Np, W, C] times [W, C], summed over W: elementwise (as an einsum it became a batched GEMV, 0.11 ms
+        # per layer on the H200 for ~10 us of work)
+        y = (src[c.conv_idx].float() * weight.float().t()).sum(1)
         if bias is not None:
             y = y + bias.float()
         conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
