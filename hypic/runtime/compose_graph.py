@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import Apply, ForwardBatch, Run, SeqWork
+from .graphs import capture_forward
 from .state import KVBuffer, LinearState
 
 log = logging.getLogger("hypic.compose")
@@ -256,20 +257,8 @@ class GraphCompose:
         bufs = hit[0]
         batch = bufs.batch()
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):                  # warm-up: autotuning, lazy tables, workspaces
-                    batch.scratch.clear()
-                    self.model(batch)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            batch.scratch.clear()
-            with torch.cuda.graph(graph):
-                logits = self.model(batch)
-            from ..ops.fast import pin_layouts
-
-            hit[1], hit[2], hit[3] = graph, logits, [pin_layouts(), dict(bufs.outputs), batch.scratch]
+            graph, logits, pinned = capture_forward(self.model, batch, self.device)
+            hit[1], hit[2], hit[3] = graph, logits, [pinned, dict(bufs.outputs), batch.scratch]
             self.captures += 1
         except Exception as e:  # an op that cannot be captured: the same buffers, eagerly
             log.warning("compose graph capture failed (%s: %s); composing eagerly", type(e).__name__, e,

@@ -28,6 +28,7 @@ import logging
 import torch
 
 from .batch import ForwardBatch
+from .graphs import capture_forward
 
 log = logging.getLogger("hypic.decode")
 
@@ -150,21 +151,7 @@ class StaticDecoder:
         st = self.static
         batch = st.batch()
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):                       # warm-up: autotuning, lazy tables, workspaces
-                    batch.scratch.clear()
-                    self.model(batch)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            batch.scratch.clear()
-            with torch.cuda.graph(graph):
-                logits = self.model(batch)
-            from ..ops.fast import pin_layouts
-
-            self.graph, self.logits = graph, logits
-            self.pinned = pin_layouts()             # layout tensors the captured kernels read by address
+            self.graph, self.logits, self.pinned = capture_forward(self.model, batch, self.device)
             self.captures += 1
         except Exception as e:  # an op that cannot be captured: the same buffers, run eagerly
             log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
