@@ -4,17 +4,25 @@ own classes (the oracle), saved with save_pretrained and loaded by hypic. Ring-l
 tests/ring_reference.py, which writes a checkpoint in the real layout the same way.
 
 fla, causal_conv1d and mamba_ssm are blocked before transformers is imported: they cannot run on a CPU and
-transformers would otherwise swap them in.
+transformers would otherwise swap them in. On a GPU machine, `pytest tests/test_gpu.py --gpu-kernels`
+leaves them importable, so hypic's fast path runs fla's kernels there (without the flag those tests
+exercise the reference ops on CUDA, and the fla-only ones skip).
 """
 
 import sys
 
-sys.modules.setdefault("fla", None)
-sys.modules.setdefault("causal_conv1d", None)
-sys.modules.setdefault("mamba_ssm", None)
+if "--gpu-kernels" not in sys.argv:
+    sys.modules.setdefault("fla", None)
+    sys.modules.setdefault("causal_conv1d", None)
+    sys.modules.setdefault("mamba_ssm", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu-kernels", action="store_true",
+                     help="do not block fla / causal_conv1d / mamba_ssm (GPU machines; run tests/test_gpu.py alone)")
 
 from hypic.models.presets import preset_config  # noqa: E402
 

@@ -117,3 +117,18 @@ def test_not_lowered():
     b = BatchBuilder("cpu")
     w = b.add(SeqState(), [("run", [1, 2], {"summarize": True}), ("apply", E()), ("run", [3])])
     assert lower(w, b.ids, b.pos, 4, 0) is None
+
+
+def test_graphs_only_where_the_kernels_can_be_captured(hf_checkpoints):
+    """The reference ops read run lengths on the host: a composer over them never tries a graph (it
+    would fail mid-capture); the fast backend's Gated DeltaNet needs fla for it."""
+    from hypic.ops.fast import fla_available
+    from hypic.runtime.compose_graph import GraphCompose
+
+    path = hf_checkpoints["qwen3_5"][1]
+    for backend in ("reference", "fast"):
+        model = LLM(str(path), backend=backend).engine.model
+        mixers = model.mixers.values()
+        ok = backend == "fast" and fla_available()
+        assert all(m.capturable(torch.device("cuda")) == ok for m in mixers if hasattr(m, "conv_width"))
+        assert GraphCompose(model, "cpu", torch.float32, graphs=True).graphs is False     # CPU: never

@@ -86,6 +86,9 @@ class AttentionMixer(nn.Module):
     # -- the fixed-buffer compose pass (runtime/compose_graph.py) ---------------------------------------
     graph_compose = True
 
+    def capturable(self, device) -> bool:
+        return True
+
     def compose_buffers(self, shape, device, dtype) -> dict:
         z = lambda n, d: torch.zeros(n, self.num_kv_heads, d, dtype=dtype, device=device)  # noqa: E731
         return dict(k=z(shape.keys, self.key_dim), v=z(shape.keys, self.value_dim),

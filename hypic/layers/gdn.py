@@ -44,6 +44,13 @@ class GatedDeltaNet(LinearMixer):
         self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hs, bias=False)
 
+    def capturable(self, device) -> bool:
+        """The compose pass's kernel can be captured in a CUDA graph: fla's fused recurrent kernel reads
+        cu_seqlens on the device; the reference (fla missing, or the reference backend) reads it on the host."""
+        from ..ops.fast import fla_available
+
+        return self.ops.name == "fast" and fla_available()
+
     @property
     def state_shape(self):
         return self.hv, self.dk, self.dv

@@ -117,6 +117,10 @@ class LinearMixer(nn.Module):
         return o
 
     # -- the fixed-buffer compose pass (runtime/compose_graph.py) ---------------------------------------
+    def capturable(self, device) -> bool:
+        """The fixed-buffer compose pass can be captured as a CUDA graph on this device (no host reads)."""
+        return False
+
     def compose_buffers(self, shape, device, dtype) -> dict:
         h, k, v = self.state_shape
         m = shape.entries + shape.runs

@@ -233,6 +233,8 @@ class GraphCompose:
         self.ready: OrderedDict = OrderedDict()      # shape -> (buffers, graph | None, logits | None, pinned)
         mixers = model.mixers.values()
         self.supported = bool(mixers) and all(getattr(m, "graph_compose", False) for m in mixers)
+        # a mixer whose kernel reads lengths on the host (the reference ops) runs the buffers eagerly
+        self.graphs = self.graphs and self.supported and all(m.capturable(self.device) for m in mixers)
         self.conv_width = max((getattr(m, "conv_width", 0) for m in mixers), default=0)
         self.captures = 0
         self.replays = 0
