@@ -195,10 +195,12 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     if h * nq * nk * 4 <= _SCORES_BYTES:
         # few queries (seams, a query, decode) over many keys: the fused kernels parallelise over query
         # blocks and heads, too few here to fill the GPU; two batched GEMMs and a softmax do
-        s = torch.matmul(qf.reshape(hkv, rep * nq, d), k.permute(1, 2, 0)).float() * scale   # [Hkv, rep*Nq, Nk]
-        mask = k_pos[None, :] <= q_pos[:, None]
-        s = s.view(hkv, rep, nq, nk).masked_fill_(~mask, float("-inf"))
-        p = torch.softmax(s, dim=-1).to(v.dtype).view(hkv, rep * nq, nk)
+        # The scores stay in the input dtype: scaled inside the GEMM (fp32 accumulator, alpha), masked in
+        # place, and softmax accumulates in fp32 and writes the input dtype (as the fp32 detour did after
+        # the GEMM had rounded them anyway): one pass each over [H, Nq, Nk] instead of five, in half the bytes.
+        s = _scaled_scores(qf.reshape(hkv, rep * nq, d), k.permute(1, 2, 0), scale)   # [Hkv, rep*Nq, Nk]
+        s.view(hkv, rep, nq, nk).masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
         o = torch.matmul(p, v.transpose(0, 1))                                        # [Hkv, rep*Nq, Dv]
         return o.view(hkv, rep, nq, dv).permute(2, 0, 1, 3).reshape(nq, h, dv)
     out = q.new_empty(hkv, rep, nq, dv)
@@ -213,6 +215,11 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     return out.permute(2, 0, 1, 3).reshape(nq, h, dv)
 
 
+def _scaled_scores(a, b, scale: float):
+    """scale * (a @ b) for [G, M, D] @ [G, D, N], scaled in the GEMM's accumulator, in a's dtype."""
+    return torch.baddbmm(a.new_empty(()).expand(a.shape[0], a.shape[1], b.shape[2]), a, b, beta=0.0, alpha=scale)
+
+
 def decode_attention(q, k, v, lengths, *, scale: float):
     """The reference signature without a host sync (CUDA-graph safe): every sequence's scores over
     all C slots in two batched GEMMs, the slots past its length masked. GQA folded into the query
@@ -221,11 +228,11 @@ def decode_attention(q, k, v, lengths, *, scale: float):
     hkv, cap, dv = k.shape[1], k.shape[2], v.shape[-1]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
-    qf = q.view(b, hkv, h // hkv, d)
-    s = torch.matmul(qf, k.transpose(-1, -2)).float() * scale                      # [B, Hkv, rep, C]
-    valid = torch.arange(cap, device=q.device)[None, :] < lengths[:, None]          # [B, C]
-    s = s.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v.dtype)
+    rep = h // hkv
+    s = _scaled_scores(q.view(b * hkv, rep, d), k.reshape(b * hkv, cap, d).transpose(1, 2), scale)
+    s = s.view(b, hkv, rep, cap)                                                    # [B, Hkv, rep, C]
+    s.masked_fill_((torch.arange(cap, device=q.device)[None, :] >= lengths[:, None])[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
     return torch.matmul(p, v).reshape(b, h, dv)
 
 
