@@ -49,6 +49,15 @@ def _scan_kernel(init, T, S, before, final, cu, order, H: tl.constexpr, K: tl.co
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
 
+_SMS: dict = {}
+
+
+def _sm_count(device) -> int:
+    if device not in _SMS:                      # (Triton's interpreter runs on the CPU: count a full H200)
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return _SMS[device]
+
+
 def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, order=None, bv: int | None = None,
                warps: int | None = None, precision: str = "tf32x3"):
     """init [R, H, K, V], T [M, H, K, K], S [M, H, K, V] (fp32), cu [R + 1] -> (before [M, H, K, V], final).
@@ -61,7 +70,11 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, orde
         final.copy_(init)
         return before, final
     bk = max(16, triton.next_power_of_2(k))
-    bv = bv or 64
+    if bv is None:
+        # one program per (request, head, block of 64 value columns); with too few of them to fill half the
+        # SMs (one request: 1 x 32 heads x 2 blocks = 64 programs on 132 SMs) blocks of 32 double the
+        # programs at the cost of reading each T twice (run 3 / 5: 64 was faster with 3 requests = 96)
+        bv = 32 if r * h * triton.cdiv(v, 64) < _sm_count(init.device) // 2 else 64
     cu_t = cu if torch.is_tensor(cu) else torch.tensor(cu, dtype=torch.int32).to(init.device, non_blocking=True)
     grid = (r, h, triton.cdiv(v, bv))
     _scan_kernel[grid](init, T, S, before, final, cu_t, cu_t if order is None else order, H=h, K=k, V=v, BK=bk,
