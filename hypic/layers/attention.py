@@ -89,7 +89,7 @@ class AttentionMixer(nn.Module):
     def capturable(self, device) -> bool:
         return True
 
-    def compose_buffers(self, shape, device, dtype) -> dict:
+    def compose_buffers(self, shape, device, dtype, shared: dict) -> dict:
         z = lambda n, d: torch.zeros(n, self.num_kv_heads, d, dtype=dtype, device=device)  # noqa: E731
         return dict(k=z(shape.keys, self.key_dim), v=z(shape.keys, self.value_dim),
                     hk=z(shape.held, self.key_dim), hv=z(shape.held, self.value_dim))

@@ -63,7 +63,7 @@ class GatedDeltaNet(LinearMixer):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)   # [N, HV] fp32
         return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(self.in_proj_b(x))}
 
-    def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None):
+    def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None, init_augmented=False):
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.reshape(-1, self.h, self.dk), k.reshape(-1, self.h, self.dk), v.reshape(-1, self.hv, self.dv)
         # short runs only (decode tokens, seam windows, a short query): the fused recurrent kernel is one
@@ -72,8 +72,8 @@ class GatedDeltaNet(LinearMixer):
         if short is None:
             short = int((cu[1:] - cu[:-1]).max()) <= SHORT_RUN
         fn = self.ops.recurrent_gated_delta_rule if short else self.ops.chunk_gated_delta_rule
-        return dense_summary_kernel(fn, q, k, v, init, cu, summarize, readout, g=f["g"][None, idx], beta=f["beta"][None, idx],
-                                    use_qk_l2norm_in_kernel=True)
+        return dense_summary_kernel(fn, q, k, v, init, cu, summarize, readout, init_augmented, g=f["g"][None, idx],
+                                    beta=f["beta"][None, idx], use_qk_l2norm_in_kernel=True)
 
     def output(self, x, o, f):
         z = f["z"].reshape(-1, self.dv)

@@ -121,11 +121,16 @@ class LinearMixer(nn.Module):
         """The fixed-buffer compose pass can be captured as a CUDA graph on this device (no host reads)."""
         return False
 
-    def compose_buffers(self, shape, device, dtype) -> dict:
+    def compose_buffers(self, shape, device, dtype, shared: dict) -> dict:
         h, k, v = self.state_shape
         m = shape.entries + shape.runs
         wm1 = self.conv_width - 1
+        key = ("zero start, augmented", h, k, v)          # [0 | I] per run: read-only, one for all layers
+        if key not in shared:
+            shared[key] = torch.cat([torch.zeros(shape.runs, h, k, v, device=device),
+                                     torch.eye(k, device=device).expand(shape.runs, h, k, k)], dim=-1)
         return dict(T=torch.zeros(m, h, k, k, device=device), S=torch.zeros(m, h, k, v, device=device),
+                    zero_aug=shared[key],
                     init=torch.zeros(1, h, k, v, device=device),
                     src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
 
@@ -175,8 +180,8 @@ class LinearMixer(nn.Module):
             y = y + bias.float()
         conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
         h, kk, vv = self.state_shape
-        zeros = x.new_zeros(r, h, kk, vv, dtype=torch.float32)
-        o0, u, S, ts = self.kernel(f, conv_out, slice(0, sh.tokens), zeros, c.cu, True, readout=True, short=True)
+        o0, u, S, ts = self.kernel(f, conv_out, slice(0, sh.tokens), buf["zero_aug"], c.cu, True, readout=True,
+                                   short=True, init_augmented=True)
         torch.stack([t.t for t in ts], out=buf["T"][e:])
         buf["S"][e:] = S
         before, _ = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order)
@@ -577,19 +582,23 @@ def _phased_ok(batch, long_chains: bool = False) -> bool:
     return applies or (long_chains and many)
 
 
-def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, readout: bool = False, **kw):
+def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, readout: bool = False, init_augmented: bool = False,
+                         **kw):
     """Run a delta-rule kernel; with `summarize`, through the appended-identity trick (dense T).
 
     readout (with summarize, from zero initial states): also return u_t = X_t^T q_t, the outputs of the
     appended columns (X_t: the transition from the run's start to t). A run started from S0 instead
     outputs o_t = o_t(0) + S0^T u_t, since S_t = X_t S0 + S_t(0): one kernel call gives every run's
     summary and, once its true initial state is known, its outputs (LinearMixer._forward_readout).
+    init_augmented (with summarize): init is already [S0 | I] [R, H, K, V + K] (a caller's constant buffer).
     Returns (o, final, transitions) or, with readout, (o, u, final, transitions)."""
     from ..compose.transition import augment, split_augmented
 
     dv, dk = v.shape[-1], k.shape[-1]
     init_in = init
-    if summarize:
+    if summarize and init_augmented:
+        v = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], dim=-1)
+    elif summarize:
         v, init_in = augment(v, init, dk)
     o, final = fn(q=q[None], k=k[None], v=v[None], initial_state=init_in, output_final_state=True, cu_seqlens=cu, **kw)
     if readout:                                 # views: the readout walk clones what it caches

@@ -204,8 +204,9 @@ class ComposeBuffers:
         self.kpos, self.kmask = z(shape.keys), z(shape.held + shape.keys + np_)
         self.conv_idx, self.window = None, None
         self.layers = {}
+        shared: dict = {}                # read-only tensors the layers of one shape share
         for l, m in self.mixers.items():
-            self.layers[l] = m.compose_buffers(shape, device, dtype)
+            self.layers[l] = m.compose_buffers(shape, device, dtype, shared)
             w = getattr(m, "conv_width", 0)
             if w and self.conv_idx is None:
                 self.conv_idx, self.window = z(np_, w), z(w - 1)
