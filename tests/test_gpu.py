@@ -63,6 +63,14 @@ def test_triton_scan_matches_fp64():
     b1, f1 = scan_dense(init, T, S, cu)
     b0, f0 = scan_dense_reference(init.double(), T.double(), S.double(), cu)
     assert rel(b1, b0) < 1e-5 and rel(f1, f0) < 1e-5           # tf32x3: fp32-level
+    # the compose graph's form: one chain through a slot order, runs' [S | T] read in place
+    runs = torch.cat([torch.randn(4, 4, 64, 32, device="cuda", generator=g),
+                      torch.randn(4, 4, 64, 64, device="cuda", generator=g) / 8 * 0.9], dim=-1)
+    order = torch.tensor([12, 0, 13, 1, 2, 14, 3, 4, 5, 6, 7, 8, 15, 9, 10, 11], dtype=torch.int32, device="cuda")
+    cu1 = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
+    b1, f1 = scan_dense(init[:1], T, S, cu1, order=order, runs=runs)
+    b0, f0 = scan_dense_reference(init[:1].double(), T.double(), S.double(), cu1, order, runs.double())
+    assert b1.shape[0] == 16 and rel(b1, b0) < 1e-5 and rel(f1, f0) < 1e-5
 
 
 @cuda

@@ -24,10 +24,14 @@ def scan_chain(init: torch.Tensor, maps: list, *, exact: list[bool] | None = Non
     return before, state
 
 
-def scan_dense_reference(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, order=None):
+def scan_dense_reference(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, order=None, runs=None):
     """init [R, H, K, V], T [M, H, K, K], S [M, H, K, V], cu [R + 1] (maps of request r: cu[r]..cu[r+1]).
-    order [M] (optional): map j of the chains is storage slot order[j] of T, S and before.
-    Returns (before [M, H, K, V], final [R, H, K, V]), fp32."""
+    order (optional): map j of the chains is storage slot order[j] of T, S and before.
+    runs [N, H, K, V + K] (optional): slots M .. M + N - 1 are these runs' [S | T].
+    Returns (before [slots, H, K, V], final [R, H, K, V]), fp32."""
+    if runs is not None:
+        v = S.shape[-1]
+        T, S = torch.cat([T.float(), runs[..., v:].float()]), torch.cat([S.float(), runs[..., :v].float()])
     before = torch.empty_like(S, dtype=torch.float32)
     final = torch.empty_like(init, dtype=torch.float32)
     cu = cu.tolist() if torch.is_tensor(cu) else cu
@@ -42,12 +46,12 @@ def scan_dense_reference(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, c
     return before, final
 
 
-def scan_dense(init, T, S, cu, order=None):
+def scan_dense(init, T, S, cu, order=None, runs=None):
     """The same on CUDA in one kernel launch (the reference elsewhere). cu: a list, or an int32 device
-    tensor (read by the kernel: no host copy, CUDA-graph safe), as is order."""
+    tensor (read by the kernel: no host copy, CUDA-graph safe), as is order; runs are read in place."""
     if not init.is_cuda or _kernel() is None:
-        return scan_dense_reference(init, T, S, cu, order)
-    return _kernel()(init, T, S, cu, order=order)
+        return scan_dense_reference(init, T, S, cu, order, runs)
+    return _kernel()(init, T, S, cu, order=order, runs=runs)
 
 
 _KERNEL = None

@@ -123,13 +123,13 @@ class LinearMixer(nn.Module):
 
     def compose_buffers(self, shape, device, dtype, shared: dict) -> dict:
         h, k, v = self.state_shape
-        m = shape.entries + shape.runs
         wm1 = self.conv_width - 1
         key = ("zero start, augmented", h, k, v)          # [0 | I] per run: read-only, one for all layers
         if key not in shared:
             shared[key] = torch.cat([torch.zeros(shape.runs, h, k, v, device=device),
                                      torch.eye(k, device=device).expand(shape.runs, h, k, k)], dim=-1)
-        return dict(T=torch.zeros(m, h, k, k, device=device), S=torch.zeros(m, h, k, v, device=device),
+        e = shape.entries
+        return dict(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device),
                     zero_aug=shared[key],
                     init=torch.zeros(1, h, k, v, device=device),
                     src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
@@ -180,17 +180,16 @@ class LinearMixer(nn.Module):
             y = y + bias.float()
         conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
         h, kk, vv = self.state_shape
-        o0, u, S, ts = self.kernel(f, conv_out, slice(0, sh.tokens), buf["zero_aug"], c.cu, True, readout=True,
-                                   short=True, init_augmented=True)
-        torch.stack([t.t for t in ts], out=buf["T"][e:])
-        buf["S"][e:] = S
-        before, _ = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order)
+        o0, u, aug = self.kernel(f, conv_out, slice(0, sh.tokens), buf["zero_aug"], c.cu, True, readout=True,
+                                 short=True, init_augmented=True)
+        # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
+        before, _ = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order, runs=aug.float().contiguous())
         s0 = before[e:]                                                         # [R, H, K, V] each run's start
-        up = u.new_zeros(r, sh.lmax, h, kk)
-        up[c.run_of, c.pos_in_run] = u
-        corr = torch.einsum("rlhk,rhkv->rlhv", up.float(), s0)[c.run_of, c.pos_in_run]
+        up = u.new_zeros(r, sh.lmax, h, kk, dtype=torch.float32)                # runs padded to the longest
+        up[c.run_of, c.pos_in_run] = u.float()
+        corr = torch.einsum("rlhk,rhkv->rlhv", up, s0)[c.run_of, c.pos_in_run]   # S0^T u, [Np, H, V] fp32
         c.outputs[self.layer_idx] = (before[e + r - 1], src[c.window])         # final state, conv window
-        return (o0.float() + corr).to(o0.dtype)
+        return corr.add_(o0).to(o0.dtype)
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> LinearState:
         final, window = out
@@ -590,8 +589,9 @@ def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, readout: bool =
     appended columns (X_t: the transition from the run's start to t). A run started from S0 instead
     outputs o_t = o_t(0) + S0^T u_t, since S_t = X_t S0 + S_t(0): one kernel call gives every run's
     summary and, once its true initial state is known, its outputs (LinearMixer._forward_readout).
-    init_augmented (with summarize): init is already [S0 | I] [R, H, K, V + K] (a caller's constant buffer).
-    Returns (o, final, transitions) or, with readout, (o, u, final, transitions)."""
+    init_augmented (with summarize and readout): init is already [S0 | I] [R, H, K, V + K] (a caller's
+    constant buffer), and the final states come back augmented, [S | T] [R, H, K, V + K], as the kernel wrote them.
+    Returns (o, final, transitions) or, with readout, (o, u, final, transitions) or (o, u, augmented final)."""
     from ..compose.transition import augment, split_augmented
 
     dv, dk = v.shape[-1], k.shape[-1]
@@ -601,6 +601,8 @@ def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, readout: bool =
     elif summarize:
         v, init_in = augment(v, init, dk)
     o, final = fn(q=q[None], k=k[None], v=v[None], initial_state=init_in, output_final_state=True, cu_seqlens=cu, **kw)
+    if readout and init_augmented:
+        return o[0, ..., :dv], o[0, ..., dv:], final
     if readout:                                 # views: the readout walk clones what it caches
         final, ts = split_augmented(final, dv, own=False)
         return o[0, ..., :dv], o[0, ..., dv:], final, ts

@@ -8,7 +8,7 @@ once, on the host, to device tables, and the forward becomes a pure function of 
     tokens     ids, positions [Np]: the N active tokens, then a pad run of Np - N >= 1 tokens
     runs       cu [R + 1] (R - 1 real runs, then the pad run); run_of, pos_in_run [Np]
     chain      the maps in order: storage slots 0..E-1 hold the cached segments' (T, S), slots
-               E..E+R-1 the runs' zero-start summaries (written by the pass); order [E + R] lists
+               E..E+R-1 the runs' zero-start summaries (read where the kernel wrote them); order [E + R] lists
                the slots in sequence order, the pad run last, so the scan's state before it is
                the request's final state and every run gets a finite initial state
     conv       one source buffer per linear layer: the initial window, the entries' tails packed,
