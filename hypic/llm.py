@@ -161,6 +161,8 @@ class LLM:
     def clear_cache(self) -> None:
         self.engine.segments.clear()
         self.engine.prefix.clear()
+        if self.engine.composer is not None:           # its buffers hold copies of cached entries
+            self.engine.composer.clear()
 
     def cache_stats(self) -> dict:
         return {"segments": self.engine.segments.stats().as_dict(), "prefix": self.engine.prefix.store.stats().as_dict()}

@@ -70,6 +70,9 @@ def test_buffers_reused_across_requests_and_shapes(hf_checkpoints):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
     assert len(comp.ready) == 2 and comp.runs == sum(o.composed_tokens > 0 for o in got) == len(prompts) - 1
+    assert comp.nbytes > 0
+    llm.clear_cache()                                   # the buffers hold copies of cached entries: dropped too
+    assert not comp.ready and comp.nbytes == 0
 
 
 def test_lowering_tables():

@@ -242,6 +242,25 @@ class GraphCompose:
         self.runs = 0                                # requests composed over the fixed buffers
         self.capture_error: str | None = None
 
+    def clear(self) -> None:
+        """Drop every shape's buffers and graph (they hold copies of cached entries' tensors)."""
+        self.ready.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the fixed buffers held (graph pools not counted)."""
+        total = 0
+        for bufs, *_ in self.ready.values():
+            seen = set()
+            for d in bufs.layers.values():
+                for t in d.values():
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        total += t.element_size() * t.nelement()
+        return total
+
     def _slot(self, shape: ComposeShape):
         hit = self.ready.get(shape)
         if hit is not None:
