@@ -189,3 +189,46 @@ def test_long_chains_bounded_by_corrected_tokens():
     assert not linear._phased_ok(batch([8, limit + 1]), long_chains=True)          # an 8k isolated prefill
     assert linear._phased_ok(batch([limit + 1, 8]), long_chains=True)              # the first run needs none
     assert not linear._phased_ok(batch([8, 500]), long_chains=False)
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2)])
+def test_attention_continuing_an_ordered_prefix(h, hkv, monkeypatch):
+    """Keys in position order that end with the queries' own tokens (a request continuing a cached
+    prefix): causal attention aligned at the bottom right, equal to the masked reference."""
+    g = torch.Generator().manual_seed(h + hkv)
+    d, nk, nq = 8, 50, 13
+    q, k, v = _rand(nq, h, d, g=g), _rand(nk, hkv, d, g=g), _rand(nk, hkv, d, g=g)
+    k_pos, q_pos = torch.arange(nk), torch.arange(nk - nq, nk)
+    o0 = ref.position_attention(q, k, v, q_pos, k_pos, scale=0.3)
+    monkeypatch.setattr(fast, "_SCORES_BYTES", 0)            # past the explicit-score size
+    o1 = fast.position_attention(q, k, v, q_pos, k_pos, scale=0.3, contiguous=True)
+    torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)
+
+
+def test_prefix_continuation_takes_the_ordered_path(hf_checkpoints, monkeypatch):
+    """A prefix-cache hit continues an ordered buffer (the bottom-right causal path); a request with
+    placed segments never does; both equal `full`."""
+    from hypic.layers.attention import AttentionMixer
+
+    seen = []
+    orig = AttentionMixer.attend
+
+    def spy(self, q, k, v, q_pos, k_pos, contiguous=False):
+        seen.append((contiguous, q.shape[0], k.shape[0]))
+        return orig(self, q, k, v, q_pos, k_pos, contiguous)
+
+    monkeypatch.setattr(AttentionMixer, "attend", spy)
+    path = hf_checkpoints["qwen3_5"][1]
+    p = _requests(4)[0]
+    sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
+    full = LLM(str(path), cache_mode="full").generate([p], sp)[0]
+    llm = LLM(str(path), cache_mode="prefix")
+    llm.generate([p], sp)
+    seen.clear()
+    hit = llm.generate([p], sp)[0]
+    assert hit.prefix_tokens > 0
+    assert any(c and nq < nk for c, nq, nk in seen)       # continued a cached prefix on the ordered path
+    torch.testing.assert_close(hit.logits, full.logits, atol=1e-4, rtol=0)
+    seen.clear()
+    LLM(str(path), cache_mode="pic", seam=4).generate([p], sp)
+    assert not any(c and nq < nk for c, nq, nk in seen if nq > 1)   # placed segments: the masked path

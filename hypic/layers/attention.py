@@ -49,7 +49,8 @@ class AttentionMixer(nn.Module):
 
     # -- state ---------------------------------------------------------------------------------------
     def new_state(self, device, dtype, capacity: int) -> KVBuffer:
-        return KVBuffer(self.num_kv_heads, self.key_dim, self.value_dim, dtype=dtype, device=device, capacity=capacity)
+        return KVBuffer(self.num_kv_heads, self.key_dim, self.value_dim, dtype=dtype, device=device, capacity=capacity,
+                        ordered=True)
 
     def restore(self, parts: list, device, dtype, capacity: int) -> KVBuffer:
         buf = self.new_state(device, dtype, capacity)
@@ -126,6 +127,7 @@ class AttentionMixer(nn.Module):
         p0 = bufs.shape.held
         kp, n = p0 + bufs.shape.keys, low.n
         kv = old if old is not None else self.new_state(keys.device, keys.dtype, capacity)
+        kv.ordered = False                                              # placed segments
         kv.reserve(low.kc + n)
         kv.append(keys[p0 : p0 + low.kc], values[p0 : p0 + low.kc], bufs.kpos[: low.kc])
         kv.append(keys[kp : kp + n], values[kp : kp + n], bufs.positions[:n])
@@ -146,8 +148,8 @@ class AttentionMixer(nn.Module):
             buf = seq.state.layers.get(L)
             if buf is None:
                 buf = seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)
-            fresh = buf.n == 0
             applies = [p for p in seq.pieces if isinstance(p, Apply)]
+            ordered = buf.ordered = buf.ordered and not applies    # keys at consecutive positions, in order
             if applies:                       # every cached segment placed with one RoPE call
                 kvs = [p.entry.layers[L] for p in applies]
                 key = ("placed", id(seq))       # positions (and their RoPE tables): the same in every layer
@@ -172,7 +174,7 @@ class AttentionMixer(nn.Module):
             if seq.end == seq.start:
                 continue
             kk, vv, pp = buf.view()
-            o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=fresh and not applies)
+            o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=ordered)
             if out is None:
                 out = o.new_empty((n,) + tuple(o.shape[1:]))
             out[sl] = o
@@ -181,7 +183,8 @@ class AttentionMixer(nn.Module):
         return self.output(x, out, extra)
 
     def attend(self, q, k, v, q_pos, k_pos, contiguous: bool = False):
-        """contiguous: k, v are exactly q's tokens in position order (a fresh sequence, no placed keys)."""
+        """contiguous: k, v are in position order at consecutive positions and end with q's own tokens (a
+        fresh sequence, or one continuing a cached prefix; no placed segments)."""
         return self.ops.position_attention(q, k, v, q_pos, k_pos, scale=self.scale, contiguous=contiguous)
 
 

@@ -178,8 +178,10 @@ _SCORES_BYTES = 1 << 30        # few queries over many keys: explicit fp32 score
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False):
-    """SDPA behind the reference signature. contiguous: the keys are exactly the queries' tokens, both
-    in position order (a fresh sequence): plain causal attention, which the flash kernel serves."""
+    """SDPA behind the reference signature. contiguous: the keys are in position order, at consecutive
+    positions, and end with the queries' own tokens (a fresh sequence: keys == queries; or a request
+    continuing a cached prefix): causal attention aligned at the bottom right, which flash serves
+    without a mask (masks of [queries, keys] for long prefix continuations cost more than the attention)."""
     nq, h, d = q.shape
     nk, hkv, dv = v.shape
     if h % hkv:
@@ -203,6 +205,15 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         p = torch.softmax(s, dim=-1)
         o = torch.matmul(p, v.transpose(0, 1))                                        # [Hkv, rep*Nq, Dv]
         return o.view(hkv, rep, nq, dv).permute(2, 0, 1, 3).reshape(nq, h, dv)
+    if contiguous:
+        from torch.nn.attention.bias import causal_lower_right
+
+        # K / V expanded to every query head (the lower-right causal kernels take no GQA argument)
+        ke = kt.repeat_interleave(rep, dim=1) if rep > 1 else kt
+        ve = vt.repeat_interleave(rep, dim=1) if rep > 1 else vt
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ke, ve, attn_mask=causal_lower_right(nq, nk),
+                                           scale=scale)
+        return o[0].transpose(0, 1)
     out = q.new_empty(hkv, rep, nq, dv)
     step = max(1, _MASK_BYTES // max(1, rep * nk))
     for a in range(0, nq, step):

@@ -49,8 +49,12 @@ class LinearState:
 class KVBuffer:
     """Growable [capacity, Hkv, D] key/value storage with an absolute position per slot."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, value_dim: int, *, dtype, device, capacity: int = 64):
+    def __init__(self, num_kv_heads: int, head_dim: int, value_dim: int, *, dtype, device, capacity: int = 64,
+                 ordered: bool = False):
         capacity = max(capacity, 1)
+        # ordered: the keys so far were appended at consecutive positions from 0, in order (a fresh buffer
+        # that has only seen runs, or a cached prefix restored span by span); placed segments break it
+        self.ordered = ordered
         self.k = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.empty(capacity, num_kv_heads, value_dim, dtype=dtype, device=device)
         self.pos = torch.empty(capacity, dtype=torch.long, device=device)
@@ -81,7 +85,8 @@ class KVBuffer:
     def fork(self) -> "KVBuffer":
         """A buffer of its own with the same keys (capacity kept, so appends do not reallocate)."""
         k = self.k
-        other = KVBuffer(k.shape[1], k.shape[2], self.v.shape[2], dtype=k.dtype, device=k.device, capacity=k.shape[0])
+        other = KVBuffer(k.shape[1], k.shape[2], self.v.shape[2], dtype=k.dtype, device=k.device, capacity=k.shape[0],
+                         ordered=self.ordered)
         other.append(*self.view())
         return other
 
