@@ -135,3 +135,21 @@ def test_graphs_only_where_the_kernels_can_be_captured(hf_checkpoints):
         ok = backend == "fast" and fla_available()
         assert all(m.capturable(torch.device("cuda")) == ok for m in mixers if hasattr(m, "conv_width"))
         assert GraphCompose(model, "cpu", torch.float32, graphs=True).graphs is False     # CPU: never
+
+
+def test_capture_waits_for_a_shape_to_repeat(hf_checkpoints):
+    """With graphs on, a shape's first request goes the planned way (no buffers, no capture: a one-off
+    shape would pay three forwards); from its second on it gets the buffers. The capture itself needs
+    CUDA: here the composer is told graphs are on and the capture is stubbed."""
+    path = hf_checkpoints["qwen3_5"][1]
+    llm = LLM(str(path), seam=4, compose="static")
+    comp = llm.engine.composer
+    comp.graphs = True
+    comp._capture = lambda hit: None                    # (CUDA only) leave the buffers eager
+    a, b = _prompts(11)[3], _prompts(11)[1]                 # 3 and 6 cached segments: two shapes
+    sp = SamplingParams(max_tokens=1)
+    runs = []
+    for p in (a, a, b, a, b):
+        llm.generate([p], sp)
+        runs.append(comp.runs)
+    assert runs == [0, 1, 1, 2, 3] and len(comp.ready) == 2

@@ -110,7 +110,7 @@ def test_cuda_graph_compose_matches_eager_buffers():
           for o in ((0, 1, 2), (2, 0, 1), (1, 2, 0))]
     sp = SamplingParams(max_tokens=6, return_logits=True, ignore_eos=True)
     graph = [llm.generate([p], sp)[0] for p in ps]
-    assert eng.composer.captures == 1 and eng.composer.replays == 3
+    assert eng.composer.captures == 1 and eng.composer.replays == 2     # the shape's first request: planned
     eng.composer = GraphCompose(eng.model, "cuda", torch.bfloat16, graphs=False)
     eager = [llm.generate([p], sp)[0] for p in ps]
     for a, b in zip(graph, eager):

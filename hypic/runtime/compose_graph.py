@@ -25,7 +25,8 @@ the number of distinct graphs small: tokens by 64, cached keys by eighths of a p
 numbers of runs and entries are exact. Only what the lowering covers is taken: one request, fresh
 exact transitions, cached segments present, runs of at most 64 tokens, every stateful
 layer able to run it (`LinearMixer.graph_compose`); anything else goes the plain way.
-The same buffers run eagerly where graphs are off (CPU tests compare them with the plain pass).
+The same buffers run eagerly where graphs are off (CPU tests compare them with the plain pass). With
+graphs, a shape is captured on its second request (`capture_after`); its first goes the planned way.
 """
 
 from __future__ import annotations
@@ -227,10 +228,14 @@ class GraphCompose:
     lowering does not cover the request. graphs: replay a CUDA graph per shape (CUDA only); else the
     same buffers run eagerly."""
 
-    def __init__(self, model, device, dtype, *, graphs: bool, max_shapes: int = 2):
+    def __init__(self, model, device, dtype, *, graphs: bool, max_shapes: int = 2, capture_after: int = 2):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.graphs = graphs and self.device.type == "cuda"
         self.max_shapes = max_shapes
+        # with graphs, a shape gets buffers and a graph on its capture_after-th request (a capture costs
+        # three forwards; a one-off shape goes the planned way); the counts of recent shapes are kept
+        self.capture_after = capture_after
+        self.seen: OrderedDict = OrderedDict()
         self.ready: OrderedDict = OrderedDict()      # shape -> (buffers, graph | None, logits | None, pinned)
         mixers = model.mixers.values()
         self.supported = bool(mixers) and all(getattr(m, "graph_compose", False) for m in mixers)
@@ -296,6 +301,13 @@ class GraphCompose:
         low = None if held is None else lower(work, ids, positions, self.conv_width, held)
         if low is None:
             return None
+        if self.graphs and low.shape not in self.ready:
+            n = self.seen.pop(low.shape, 0) + 1
+            self.seen[low.shape] = n
+            while len(self.seen) > 256:
+                self.seen.popitem(last=False)
+            if n < self.capture_after:
+                return None
         hit = self._slot(low.shape)
         bufs = hit[0]
         bufs.load(low)
