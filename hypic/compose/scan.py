@@ -49,7 +49,8 @@ def scan_dense_reference(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, c
 def scan_dense(init, T, S, cu, order=None, runs=None):
     """The same on CUDA in one kernel launch (the reference elsewhere). cu: a list, or an int32 device
     tensor (read by the kernel: no host copy, CUDA-graph safe), as is order; runs are read in place."""
-    if not init.is_cuda or _kernel() is None:
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (init, T, S, runs))
+    if not init.is_cuda or _kernel() is None or grad:         # (the kernel has no backward)
         return scan_dense_reference(init, T, S, cu, order, runs)
     return _kernel()(init, T, S, cu, order=order, runs=runs)
 

@@ -36,6 +36,11 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.logits(batch)
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """The forward without inference mode: differentiable where the ops are (training with PIC in the
+        loop, quality/pic_train.py); the engine calls `forward`."""
         h = self.embed(batch)
         for layer in self.model.layers:
             h = layer(h, batch)

@@ -1,0 +1,207 @@
+"""Fine-tune a trained hybrid checkpoint with PIC in the loop (issue 6: closing the two-hop gap).
+
+Under `pic` the documents of a prompt are prefilled in isolation and composed: a model that links facts
+across documents while reading (the two-hop task) loses that link. Training with the engine's own PIC
+forward in the loop teaches it to answer from the query side instead, as block-attention fine-tuning
+does for transformers. A step mixes two kinds of examples from the training generators of
+quality/train.py (the same tasks, passages split from the evaluation's):
+
+    pic   every document prefilled alone (hypic's isolated prefill: T, S, conv tails, position-free
+          K / V, all with their gradients), then the compose pass (seam tokens recomputed, states
+          composed exactly, cached keys placed) and the questions; loss on the answer tokens
+    full  the same prompt in one ordinary forward (keeps full-recomputation quality)
+
+Both run through `CausalLM.logits` (the engine's forward without inference mode), so what is trained
+is exactly what the engine computes. With a seam that covers every document, `pic` equals `full` in
+loss and gradients (tests/test_pic_train.py), which pins the differentiable path down.
+
+    python quality/pic_train.py --model checkpoints/qwen35-gdn-15m --out out/gdn-pic --minutes 10 \\
+        --device cuda --mix twohop=0.4,needle=0.2,kc=0.2,facts=0.2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Example:
+    prefix: list[int]
+    docs: list[list[int]]
+    query: list[int]            # questions and answers after the documents, back to back
+    answer: list[bool]          # per query token: it is an answer token (its prediction is scored)
+
+
+def example_loss(model, examples: list[Example], mode: str, seam: int, device) -> torch.Tensor:
+    """Mean cross-entropy of the answer tokens of `examples` under `mode` ("pic" or "full")."""
+    from hypic.cache.entry import SegmentEntry, SegmentKey
+    from hypic.runtime.batch import BatchBuilder
+    from hypic.runtime.state import SeqState
+
+    items_of = []
+    if mode == "pic":
+        iso = BatchBuilder(device)
+        cold = []                                      # (example index, doc index, work)
+        for e, ex in enumerate(examples):
+            for d, doc in enumerate(ex.docs):
+                w = min(seam, len(doc))
+                if w < len(doc):
+                    work = iso.add(SeqState(capacity_hint=len(doc)),
+                                   [("run", doc[:w]), ("run", doc[w:], {"summarize": True})], logits="none")
+                    cold.append((e, d, w, work))
+        entries = {}
+        if cold:
+            model.logits(iso.build())
+            for e, d, w, work in cold:
+                key = SegmentKey("train", "train", f"{e}.{d}", w)
+                doc = examples[e].docs[d]
+                entries[(e, d)] = SegmentEntry(key, tuple(doc[:w]), len(doc), w, dict(work.pieces[-1].captures))
+        for e, ex in enumerate(examples):
+            items = [("run", list(ex.prefix))] if ex.prefix else []
+            for d, doc in enumerate(ex.docs):
+                ent = entries.get((e, d))
+                items += [("run", list(doc))] if ent is None else [("run", list(doc[: ent.seam])), ("apply", ent)]
+            items_of.append(items + [("run", list(ex.query))])
+    elif mode == "full":
+        for ex in examples:
+            items_of.append([("run", list(ex.prefix) + [t for doc in ex.docs for t in doc] + list(ex.query))])
+    else:
+        raise ValueError(mode)
+    b = BatchBuilder(device)
+    rows, gold = [], []
+    for ex, items in zip(examples, items_of):
+        cap = sum(len(i[1]) if i[0] == "run" else i[1].length for i in items) + 8
+        work = b.add(SeqState(capacity_hint=cap), items, logits="all")
+        # every sequence returns logits for all its active rows, so logits rows are flat rows; the row before
+        # an answer token predicts it (answers follow their question: that row is a query token, after every
+        # composed document)
+        q0 = work.end - len(ex.query)
+        for j, (tok, is_answer) in enumerate(zip(ex.query, ex.answer)):
+            if is_answer:
+                rows.append(q0 + j - 1)
+                gold.append(tok)
+    logits = model.logits(b.build(exact_transition=True, walk="phased"))
+    return F.cross_entropy(logits[torch.tensor(rows, device=logits.device)], torch.tensor(gold, device=logits.device))
+
+
+def examples_from(maker, n: int, budget: int) -> list[Example]:
+    """n structured examples from quality/train.py's RowMaker (its task mix and k choices)."""
+    out = []
+    P, r = maker.P, maker.rng
+    while len(out) < n:
+        task = maker.tasks[r.choice(len(maker.tasks), p=maker.mix)]
+        k = int(r.choice([2, 3, 4, 6, 8]))
+        nq = 1
+        docs, qas = {"kc": maker.kc, "twohop": maker.twohop, "needle": maker.needle,
+                     "facts": lambda k, nq: maker.generic(P.fact_docs, k, nq)}[task](k, nq)
+        if not qas:
+            continue
+        total = len(P.prefix) + sum(len(d) for d in docs) + sum(len(q) + len(a) for q, a, _ in qas)
+        if total > budget:
+            continue
+        order = list(range(len(docs)))
+        r.shuffle(order)
+        query, answer = [], []
+        for q, a, _ in qas:
+            query += q.tolist() + a.tolist()
+            answer += [False] * len(q) + [True] * len(a)
+        out.append(Example(P.prefix.tolist(), [docs[i].tolist() for i in order], query, answer))
+    return out
+
+
+def save_hf(model, src: Path, out: Path) -> None:
+    """hypic's weights into src's transformers checkpoint layout (names as the checkpoint's), saved to out."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    target = hf.state_dict()
+    missing = [k for k in target if k not in sd]
+    if missing:
+        raise SystemExit(f"hypic's state dict lacks {missing[:5]}: save_hf supports checkpoints whose names hypic keeps")
+    hf.load_state_dict({k: sd[k] for k in target})
+    hf.to(torch.bfloat16).save_pretrained(out, max_shard_size="14MB")
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--data", default=str(ROOT / ".data" / "corpus"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--budget", type=int, default=1024, help="most tokens of one example")
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--pic-share", type=float, default=0.5, help="share of examples run under pic")
+    ap.add_argument("--seams", default="0,4,8", help="seam widths drawn per pic batch")
+    ap.add_argument("--mix", default="twohop=0.4,needle=0.2,kc=0.2,facts=0.2")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT / "quality"))
+    from train import Pools, RowMaker, load_xz  # noqa: E402
+
+    from hypic import LLM
+
+    torch.manual_seed(args.seed)
+    llm = LLM(args.model, device=args.device, dtype="float32")
+    model = llm.engine.model
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    P = Pools(load_xz(Path(args.data) / "train.bin.xz"))
+    mix = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}
+    maker = RowMaker(P, args.budget, args.seed, mix)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    seams = [int(s) for s in args.seams.split(",")]
+    rng = np.random.default_rng(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "pic_train_log.jsonl", "a")
+    t0, step = time.time(), 0
+    while time.time() - t0 < args.minutes * 60:
+        frac = (time.time() - t0) / (args.minutes * 60)
+        for g in opt.param_groups:
+            g["lr"] = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        exs = examples_from(maker, args.batch, args.budget)
+        n_pic = int(round(args.pic_share * len(exs)))
+        seam = int(rng.choice(seams))
+        losses = {}
+        opt.zero_grad(set_to_none=True)
+        if n_pic:
+            lp = example_loss(model, exs[:n_pic], "pic", seam, args.device)
+            (lp * n_pic / len(exs)).backward()
+            losses["pic"] = round(lp.item(), 4)
+        if n_pic < len(exs):
+            lf = example_loss(model, exs[n_pic:], "full", seam, args.device)
+            (lf * (len(exs) - n_pic) / len(exs)).backward()
+            losses["full"] = round(lf.item(), 4)
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        rec = {"step": step, "seam": seam, **losses, "gnorm": round(float(gn), 3), "t": round(time.time() - t0, 1)}
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if step % 10 == 0 or step <= 3:
+            print(json.dumps(rec), flush=True)
+    model.eval()
+    save_hf(model, Path(args.model), out / "model")
+    print(json.dumps({"event": "saved", "path": str(out / "model"), "steps": step}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
