@@ -19,12 +19,13 @@ once, on the host, to device tables, and the forward becomes a pure function of 
                a mask position per key (pads: never visible)
 
 Before a replay the request's tables are copied in (one host-to-device copy each) and its cached
-tensors stacked into the fixed buffers (one op per layer and kind, `_fill`); after it, the
-request's states are cut out of the pass's outputs (`_states`). Buckets (`ComposeShape`) keep
+tensors stacked into the fixed buffers (one op per layer and kind, each mixer's `compose_fill`);
+after it, the request's states are cut out of the pass's outputs (`compose_state`). Buckets (`ComposeShape`) keep
 the number of distinct graphs small: tokens by 64, cached keys by eighths of a power of two; the
-numbers of runs and entries are exact. Only what the lowering covers is taken: one request, fresh
-exact transitions, cached segments present, runs of at most 64 tokens, every stateful
-layer able to run it (`LinearMixer.graph_compose`); anything else goes the plain way.
+numbers of runs and entries are exact. Only what the lowering covers is taken: one request, exact
+transitions, cached segments present, runs of at most 64 tokens, every stateful layer able to run
+it (`graph_compose`: Gated DeltaNet and attention); anything else goes the planned walk. Pad queries
+sit at position 0, where the request always has a key, so no softmax row is empty.
 The same buffers run eagerly where graphs are off (CPU tests compare them with the plain pass). With
 graphs, a shape is captured on its second request (`capture_after`); its first goes the planned way.
 """
