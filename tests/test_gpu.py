@@ -154,3 +154,34 @@ def test_fla_varlen_conv_matches_reference():
     y0, n0 = ref.causal_conv1d_varlen(x, weight, bias, windows, cu, activation="silu")
     y1, n1 = fast.causal_conv1d_varlen(x, weight, bias, windows, cu, activation="silu")
     assert rel(y1, y0) < 1e-5 and torch.equal(n1, n0)
+
+
+@cuda
+def test_pic_training_step_on_cuda_matches_cpu():
+    """quality/pic_train.py's loss on CUDA (fla's kernels and their backward, the reference scan under
+    autograd) against the CPU reference ops, fp32: losses and gradients agree to the tf32 level."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from hypic import LLM
+
+    spec = importlib.util.spec_from_file_location("pic_train", Path(__file__).resolve().parents[1] / "quality" / "pic_train.py")
+    pt = importlib.util.module_from_spec(spec)
+    sys.modules["pic_train"] = pt
+    spec.loader.exec_module(pt)
+    docs = [list(range(3 + i, 40 + 3 * i)) for i in range(3)]
+    exs = [pt.Example([5, 6, 7], docs, list(range(100, 110)), [False] * 6 + [True] * 4)]
+    out = {}
+    for dev in ("cpu", "cuda"):
+        model = LLM("tiny-qwen3.5", device=dev, dtype="float32", seed=0).engine.model
+        for p in model.parameters():
+            p.requires_grad_(True)
+        loss = pt.example_loss(model, exs, "pic", 4, dev)
+        loss.backward()
+        out[dev] = (loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None})
+    (lc, gc), (lg, gg) = out["cpu"], out["cuda"]
+    assert abs(lc - lg) < 1e-3 * max(1.0, abs(lc))
+    assert gc.keys() == gg.keys()
+    for n in gc:
+        assert rel(gg[n], gc[n]) < 2e-2, n
