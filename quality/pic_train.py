@@ -150,6 +150,7 @@ def main():
     ap.add_argument("--seams", default="0,4,8", help="seam widths drawn per pic batch")
     ap.add_argument("--mix", default="twohop=0.4,needle=0.2,kc=0.2,facts=0.2")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-every", type=int, default=0, help="also save the checkpoint every N steps (0: at the end)")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT / "quality"))
@@ -198,9 +199,13 @@ def main():
         log.flush()
         if step % 10 == 0 or step <= 3:
             print(json.dumps(rec), flush=True)
+        if args.save_every and step % args.save_every == 0:
+            save_hf(model, Path(args.model), out / "model")
+            print(json.dumps({"event": "saved", "path": str(out / "model"), "steps": step}), flush=True)
     model.eval()
     save_hf(model, Path(args.model), out / "model")
-    print(json.dumps({"event": "saved", "path": str(out / "model"), "steps": step}), flush=True)
+    (out / "model" / "pic_train.json").write_text(json.dumps({"steps": step, "args": vars(args)}, indent=1))
+    print(json.dumps({"event": "saved", "path": str(out / "model"), "steps": step, "done": True}), flush=True)
 
 
 if __name__ == "__main__":
