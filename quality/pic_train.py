@@ -151,6 +151,8 @@ def main():
     ap.add_argument("--mix", default="twohop=0.4,needle=0.2,kc=0.2,facts=0.2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=0, help="also save the checkpoint every N steps (0: at the end)")
+    ap.add_argument("--max-steps", type=int, default=0,
+                    help="stop after N steps, the LR schedule by step (reproducible); 0: by --minutes and time")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT / "quality"))
@@ -174,8 +176,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "pic_train_log.jsonl", "a")
     t0, step = time.time(), 0
-    while time.time() - t0 < args.minutes * 60:
-        frac = (time.time() - t0) / (args.minutes * 60)
+    while (step < args.max_steps) if args.max_steps else (time.time() - t0 < args.minutes * 60):
+        frac = step / args.max_steps if args.max_steps else (time.time() - t0) / (args.minutes * 60)
         for g in opt.param_groups:
             g["lr"] = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         exs = examples_from(maker, args.batch, args.budget)
