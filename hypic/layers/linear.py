@@ -179,17 +179,12 @@ class LinearMixer(nn.Module):
         if bias is not None:
             y = y + bias.float()
         conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
-        h, kk, vv = self.state_shape
         o0, u, aug = self.kernel(f, conv_out, slice(0, sh.tokens), buf["zero_aug"], c.cu, True, readout=True,
                                  short=True, init_augmented=True)
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
         before, _ = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order, runs=aug.float().contiguous())
-        s0 = before[e:]                                                         # [R, H, K, V] each run's start
-        up = u.new_zeros(r, sh.lmax, h, kk, dtype=torch.float32)                # runs padded to the longest
-        up[c.run_of, c.pos_in_run] = u.float()
-        corr = torch.einsum("rlhk,rhkv->rlhv", up, s0)[c.run_of, c.pos_in_run]   # S0^T u, [Np, H, V] fp32
         c.outputs[self.layer_idx] = (before[e + r - 1], src[c.window])         # final state, conv window
-        return corr.add_(o0).to(o0.dtype)
+        return _corrected(o0, u, before[e:], c.run_of, c.pos_in_run, sh.lmax)    # before[e:]: each run's start
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> LinearState:
         final, window = out
@@ -366,12 +361,7 @@ class LinearMixer(nn.Module):
             batch.scratch[key] = (at_t, run_of, torch.arange(n, device=x.device) - starts[run_of])
         at_t, run_of, pos = batch.scratch[key]
         s0 = before[at_t]                                                # [R, H, K, V]
-        # o = o(0) + S0^T u, the runs padded to the longest for one batched product
-        lmax = max(lens)
-        up = u.new_zeros(len(runs), lmax, h, kk)
-        up[run_of, pos] = u
-        corr = torch.einsum("rlhk,rhkv->rlhv", up.float(), s0)[run_of, pos]
-        out = _place(None, (o0.float() + corr).to(o0.dtype), idx, x.shape[0])
+        out = _place(None, _corrected(o0, u, s0, run_of, pos, max(lens)), idx, x.shape[0])
         for r, (seq, run) in enumerate(runs):
             if run.summarize:
                 run.captures[L] = LinearSummary(Transition(ts[r].form, ts[r].t.clone()), S[r].clone(), tails.get(r))
@@ -520,6 +510,16 @@ class LinearMixer(nn.Module):
             if run.mark:                 # cached in a prefix node: own the memory, not a view of the batch
                 run.captures[L] = LinearState(final[i].clone(), st.conv)
         return out
+
+
+def _corrected(o0, u, s0, run_of, pos, lmax: int):
+    """A run's outputs from its true initial state: o_t = o_t(0) + S0^T u_t (dense_summary_kernel), for every
+    token at once, the runs padded to `lmax` rows for one batched product in fp32.
+    o0 [N, H, V], u [N, H, K] (token n: run run_of[n], row pos[n]), s0 [R, H, K, V] fp32."""
+    up = u.new_zeros((s0.shape[0], lmax) + tuple(u.shape[1:]), dtype=torch.float32)
+    up[run_of, pos] = u.float()
+    corr = torch.einsum("rlhk,rhkv->rlhv", up, s0)[run_of, pos]
+    return corr.add_(o0).to(o0.dtype)
 
 
 def _place(out, o, idx, n: int):
