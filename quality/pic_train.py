@@ -46,28 +46,19 @@ class Example:
 
 def example_loss(model, examples: list[Example], mode: str, seam: int, device) -> torch.Tensor:
     """Mean cross-entropy of the answer tokens of `examples` under `mode` ("pic" or "full")."""
-    from hypic.cache.entry import SegmentEntry, SegmentKey
+    from hypic.cache.entry import SegmentKey
+    from hypic.plan.planner import SegmentSlot
+    from hypic.prefill.isolated import prefill_segments
     from hypic.runtime.batch import BatchBuilder
     from hypic.runtime.state import SeqState
 
     items_of = []
     if mode == "pic":
-        iso = BatchBuilder(device)
-        cold = []                                      # (example index, doc index, work)
-        for e, ex in enumerate(examples):
-            for d, doc in enumerate(ex.docs):
-                w = min(seam, len(doc))
-                if w < len(doc):
-                    work = iso.add(SeqState(capacity_hint=len(doc)),
-                                   [("run", doc[:w]), ("run", doc[w:], {"summarize": True})], logits="none")
-                    cold.append((e, d, w, work))
-        entries = {}
-        if cold:
-            model.logits(iso.build())
-            for e, d, w, work in cold:
-                key = SegmentKey("train", "train", f"{e}.{d}", w)
-                doc = examples[e].docs[d]
-                entries[(e, d)] = SegmentEntry(key, tuple(doc[:w]), len(doc), w, dict(work.pieces[-1].captures))
+        # the engine's isolated prefill, run through the differentiable forward: documents within the seam
+        # have nothing to cache and are recomputed whole below
+        cold = {(e, d): SegmentSlot(tuple(doc), min(seam, len(doc)), SegmentKey("train", "train", f"{e}.{d}", seam))
+                for e, ex in enumerate(examples) for d, doc in enumerate(ex.docs) if seam < len(doc)}
+        entries = dict(zip(cold, prefill_segments(model, list(cold.values()), device, forward=model.logits)))
         for e, ex in enumerate(examples):
             items = [("run", list(ex.prefix))] if ex.prefix else []
             for d, doc in enumerate(ex.docs):

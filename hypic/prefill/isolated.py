@@ -16,8 +16,10 @@ from ..runtime.batch import BatchBuilder
 from ..runtime.state import SeqState
 
 
-def prefill_segments(model, slots, device) -> list[SegmentEntry]:
-    """slots: distinct cold SegmentSlots. Returns their entries in the same order."""
+def prefill_segments(model, slots, device, forward=None) -> list[SegmentEntry]:
+    """slots: distinct cold SegmentSlots. Returns their entries in the same order. forward: what runs the
+    batch (default: the model's inference forward; training passes `model.logits`, so the entries keep
+    their gradients)."""
     if not slots:
         return []
     builder = BatchBuilder(device)
@@ -27,7 +29,7 @@ def prefill_segments(model, slots, device) -> list[SegmentEntry]:
         works.append(builder.add(SeqState(capacity_hint=len(slot.tokens)), items, logits="none"))
     batch = builder.build()
     t0 = time.perf_counter()
-    model(batch)
+    (forward or model)(batch)
     elapsed = time.perf_counter() - t0
     total = sum(len(s.tokens) for s in slots)
     entries = []
