@@ -27,11 +27,13 @@ def _one_by_one(llm, prompts, n=5):
 
 def _prompts(seed):
     """Cold and warm requests: short segments (conv windows across pieces, segments within the
-    seam), a repeated segment, a cached prefix (the second time), reordered segments."""
+    seam), a repeated segment, a cached prefix (the second time), reordered segments, a query
+    longer than SUB_RUN (cut into pieces the chain composes)."""
     ps = _requests(seed)
     segs = [rand_ids(n, seed + 90 + i) for i, n in enumerate((30, 7, 52))]
     return ps + [Prompt(segments=segs, query=rand_ids(5, seed + 95)),
                  Prompt(segments=segs[::-1], query=rand_ids(9, seed + 96)),
+                 Prompt(segments=segs[1:], query=rand_ids(41, seed + 97)),
                  ps[0]]
 
 
@@ -89,10 +91,11 @@ def test_lowering_tables():
     e1, e2 = E(10, 3), E(2, 2)
     w = b.add(SeqState(), [("run", [1, 2]), ("apply", e1), ("run", [3]), ("apply", e2), ("run", [4, 5, 6])])
     low = lower(w, b.ids, b.pos, conv_width=4, held=0)
-    assert low.shape == ComposeShape(tokens=64, runs=4, entries=2, keys=256, held=0, lmax=64)
+    assert low.shape == ComposeShape(tokens=64, runs=7, entries=2, keys=256, held=0, lmax=16)
     t = low.tables
-    assert t["order"].tolist() == [2, 0, 3, 1, 4, 5]            # runs at 2.., entries at 0, 1; pad run last
-    assert t["cu"].tolist() == [0, 2, 3, 6, 64]
+    assert t["order"].tolist() == [2, 0, 3, 1, 4, 5, 6, 7, 8]   # runs at 2.., entries at 0, 1; pad runs last
+    assert t["cu"].tolist() == [0, 2, 3, 6, 22, 38, 54, 64]     # 58 pads in runs of at most SUB_RUN = 16
+    assert t["cu_maps"].tolist() == [0, 5, 9]                   # the request's chain, then the pads' own
     assert t["positions"][:6].tolist() == [0, 1, 12, 15, 16, 17]
     # source rows: 0..2 initial window, 3..5 e1's tail, 6..7 e2's tail, active tokens from 3 * (1 + 2) = 9
     assert t["conv_idx"][2].tolist() == [3, 4, 5, 11]            # token 3 after e1: its tail, then itself
@@ -104,7 +107,7 @@ def test_lowering_tables():
 
 
 def test_not_lowered():
-    """What goes the planned way: no cached segment, a run longer than the fused kernel's range, a
+    """What goes the planned way: no cached segment, a run longer than MAX_RUN, a
     summarized run (a cold prefill), several requests (the engine checks that)."""
     from hypic.runtime.batch import BatchBuilder
     from hypic.runtime.state import SeqState
@@ -116,7 +119,7 @@ def test_not_lowered():
         cached_tokens, layers = 5, {}
 
     b = BatchBuilder("cpu")
-    assert lower(b.add(SeqState(), [("apply", E()), ("run", list(range(65)))]), b.ids, b.pos, 4, 0) is None
+    assert lower(b.add(SeqState(), [("apply", E()), ("run", list(range(257)))]), b.ids, b.pos, 4, 0) is None
     b = BatchBuilder("cpu")
     w = b.add(SeqState(), [("run", [1, 2], {"summarize": True}), ("apply", E()), ("run", [3])])
     assert lower(w, b.ids, b.pos, 4, 0) is None

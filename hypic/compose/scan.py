@@ -46,13 +46,26 @@ def scan_dense_reference(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, c
     return before, final
 
 
-def scan_dense(init, T, S, cu, order=None, runs=None):
+def scan_dense(init, T, S, cu, order=None, runs=None, runs_only: bool = False):
     """The same on CUDA in one kernel launch (the reference elsewhere). cu: a list, or an int32 device
-    tensor (read by the kernel: no host copy, CUDA-graph safe), as is order; runs are read in place."""
+    tensor (read by the kernel: no host copy, CUDA-graph safe), as is order; runs are read in place.
+    runs_only: only the runs' slots of `before` are needed (the kernel leaves the others unwritten)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (init, T, S, runs))
     if not init.is_cuda or _kernel() is None or grad:         # (the kernel has no backward)
         return scan_dense_reference(init, T, S, cu, order, runs)
-    return _kernel()(init, T, S, cu, order=order, runs=runs)
+    return _kernel()(init, T, S, cu, order=order, runs=runs, runs_only=runs_only)
+
+
+def scan_dense_in_place(init, tab, entries: int, cu, order, runs):
+    """The compose pass's form on CUDA: the cached maps read through an address table tab [E, 2] (each
+    entry's own fp32 contiguous T and S), runs' [S | T] in place; only the runs' slots of `before` are
+    written. Needs the Triton kernel (`kernel_ready`)."""
+    return _kernel()(init, None, None, cu, order=order, runs=runs, tab=tab, entries=entries, runs_only=True)
+
+
+def kernel_ready(device) -> bool:
+    """The Triton scan runs on this device (CUDA with triton importable)."""
+    return torch.device(device).type == "cuda" and _kernel() is not None
 
 
 _KERNEL = None
@@ -75,4 +88,5 @@ def stack_dense(maps: list) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([t.t.float() for t, _ in maps]), torch.stack([s.float() for _, s in maps])
 
 
-__all__ = ["scan_chain", "scan_dense", "scan_dense_reference", "stack_dense", "Form", "Transition"]
+__all__ = ["scan_chain", "scan_dense", "scan_dense_in_place", "scan_dense_reference", "kernel_ready", "stack_dense",
+           "Form", "Transition"]

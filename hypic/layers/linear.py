@@ -122,6 +122,10 @@ class LinearMixer(nn.Module):
         return False
 
     def compose_buffers(self, shape, device, dtype, shared: dict) -> dict:
+        """init [2, H, K, V]: the request's initial state, then the pad chain's zero. The cached (T, S):
+        an address table where the Triton scan reads them in place (CUDA), else stacked copies."""
+        from ..compose.scan import kernel_ready
+
         h, k, v = self.state_shape
         wm1 = self.conv_width - 1
         key = ("zero start, augmented", h, k, v)          # [0 | I] per run: read-only, one for all layers
@@ -129,18 +133,22 @@ class LinearMixer(nn.Module):
             shared[key] = torch.cat([torch.zeros(shape.runs, h, k, v, device=device),
                                      torch.eye(k, device=device).expand(shape.runs, h, k, k)], dim=-1)
         e = shape.entries
-        return dict(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device),
-                    zero_aug=shared[key],
-                    init=torch.zeros(1, h, k, v, device=device),
-                    src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
+        buf = dict(zero_aug=shared[key], init=torch.zeros(2, h, k, v, device=device),
+                   src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
+        if kernel_ready(device):
+            buf.update(tab=torch.zeros(e, 2, dtype=torch.long, device=device), keep=[])
+        else:
+            buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))
+        return buf
 
     def compose_fill(self, buf: dict, low, L: int) -> None:
-        """The request's cached segments into the slots: (T, S) at storage 0..E-1, the tails packed."""
+        """The request's cached segments into the slots: (T, S) at storage 0..E-1 (their addresses, or
+        copies), the tails packed."""
         parts = [e.layers[L] for e in low.entries]
         e = len(parts)
         st = low.state.layers.get(L)
         if st is None:
-            buf["init"].zero_()
+            buf["init"][0].zero_()
         else:
             buf["init"][0] = st.rec
         if self.conv_width:
@@ -149,8 +157,21 @@ class LinearMixer(nn.Module):
                 buf["src"][:wm1].zero_()
             else:
                 buf["src"][:wm1] = st.conv
-        torch.stack([p.T.t for p in parts], out=buf["T"][:e])
-        torch.stack([p.S for p in parts], out=buf["S"][:e])
+        if "tab" in buf:
+            # read in place: each entry's own T and S (a copy only where one is not fp32, contiguous, here);
+            # the entries outlive the replay (the request holds them; later frees are stream-ordered after it)
+            keep, addr = [], []
+            for p in parts:
+                for t in (p.T.t, p.S):
+                    if not (t.dtype == torch.float32 and t.is_contiguous() and t.device == buf["tab"].device):
+                        t = t.to(buf["tab"].device, torch.float32).contiguous()
+                        keep.append(t)
+                    addr.append(t.data_ptr())
+            buf["keep"] = keep
+            buf["tab"][:e].copy_(torch.tensor(addr, dtype=torch.long).view(e, 2), non_blocking=True)
+        else:
+            torch.stack([p.T.t for p in parts], out=buf["T"][:e])
+            torch.stack([p.S for p in parts], out=buf["S"][:e])
         if self.conv_width:
             tails = [p.tail[p.tail.shape[0] - t:] for p, (_, t) in zip(parts, low.tail_rows) if t]
             if tails:
@@ -163,12 +184,12 @@ class LinearMixer(nn.Module):
         kernel call, the chain of maps in one scan (storage order through `order`), each run's outputs
         corrected by its initial state. Equal to `_forward_readout` up to rounding
         (tests/test_compose_graph.py)."""
-        from ..compose.scan import scan_dense
+        from ..compose.scan import scan_dense, scan_dense_in_place
 
         c = batch.captured
         buf = c.layers[self.layer_idx]
         sh = c.shape
-        e, r = sh.entries, sh.runs
+        e = sh.entries
         raw = f["raw"]
         src = buf["src"]
         src[src.shape[0] - sh.tokens :] = raw
@@ -182,8 +203,12 @@ class LinearMixer(nn.Module):
         o0, u, aug = self.kernel(f, conv_out, slice(0, sh.tokens), buf["zero_aug"], c.cu, True, readout=True,
                                  short=True, init_augmented=True)
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
-        before, _ = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order, runs=aug.float().contiguous())
-        c.outputs[self.layer_idx] = (before[e + r - 1], src[c.window])         # final state, conv window
+        aug = aug.float().contiguous()
+        if "tab" in buf:
+            before, final = scan_dense_in_place(buf["init"], buf["tab"], e, c.cu_maps, c.order, aug)
+        else:
+            before, final = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order, runs=aug)
+        c.outputs[self.layer_idx] = (final[0], src[c.window])                 # final state, conv window
         return _corrected(o0, u, before[e:], c.run_of, c.pos_in_run, sh.lmax)    # before[e:]: each run's start
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> LinearState:

@@ -7,6 +7,17 @@ never leaves registers between maps; T_j is read once per value block. Products 
 tf32 tensor-core products, fp32-level accuracy: 1.6e-6 relative after 20 maps of K = 128 on the H200,
 against 5.8e-7 for IEEE FMA, which ran 70x slower: benchmarks/results/gpu_check.json).
 
+Where a map's (T, S) come from, per slot m (storage order; `order` gives the chain's sequence):
+    m <  E   a cached segment: T [E, H, K, K] and S [E, H, K, V] stacked, or read in place through
+             an address table tab [E, 2] (int64 addresses of each entry's own fp32 T and S), so a
+             request's cached maps are not copied before the scan
+    m >= E   a run's [S | T] [N, H, K, V + K], as the appended-identity kernel wrote it
+Both loads are issued masked (one of them fetches nothing), so the loop body has no branch and
+Triton can pipeline the next map's loads behind this map's products (`stages`).
+
+The block width, warps and pipeline depth are picked per shape by timing a few configurations on
+the first eager call (not while a CUDA graph is being captured: then the default is used).
+
 Imported lazily (compose/scan.py): importing it needs triton, which CPU machines may lack.
 """
 
@@ -18,8 +29,43 @@ import triton.language as tl
 
 
 @triton.jit
-def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ORDER: tl.constexpr, RUNS: tl.constexpr):
+def _step(x, j, init, T, S, A, tab, before, order, E, h, off_kv, off_kk, off_a_s, off_a_t, m_kv, m_kk,
+          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, ORDER: tl.constexpr,
+          RUNS: tl.constexpr, PTRS: tl.constexpr, RUNS_ONLY: tl.constexpr):
+    """Map j of the chain: before[m] <- x, then x <- T_m x + S_m."""
+    if ORDER:
+        m = tl.load(order + j)
+    else:
+        m = j
+    if RUNS:
+        is_run = m >= E
+    else:
+        is_run = m < 0
+    ent = m < E
+    if RUNS_ONLY:
+        tl.store(before + (m * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
+    else:
+        tl.store(before + (m * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
+    me = tl.maximum(tl.minimum(m, E - 1), 0)
+    if PTRS:
+        tp = tl.load(tab + me * 2, mask=ent, other=0).to(tl.pointer_type(tl.float32))
+        sp = tl.load(tab + me * 2 + 1, mask=ent, other=0).to(tl.pointer_type(tl.float32))
+        t = tl.load(tp + h * K * K + off_kk, mask=m_kk & ent, other=0.0)
+        s = tl.load(sp + h * K * V + off_kv, mask=m_kv & ent, other=0.0)
+    else:
+        t = tl.load(T + (me * H + h).to(tl.int64) * K * K + off_kk, mask=m_kk & ent, other=0.0)
+        s = tl.load(S + (me * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv & ent, other=0.0)
+    if RUNS:
+        base_a = (tl.maximum(m - E, 0) * H + h).to(tl.int64) * K * (V + K)
+        t += tl.load(A + base_a + off_a_t, mask=m_kk & is_run, other=0.0)
+        s += tl.load(A + base_a + off_a_s, mask=m_kv & is_run, other=0.0)
+    return tl.dot(t, x, input_precision=PREC) + s
+
+
+@triton.jit
+def _scan_kernel(init, T, S, A, tab, before, final, cu, order, E, H: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ORDER: tl.constexpr,
+                 RUNS: tl.constexpr, PTRS: tl.constexpr, RUNS_ONLY: tl.constexpr, STAGES: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -31,27 +77,21 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
     m_kk = mk[:, None] & mk[None, :]
     off_kv = rk[:, None] * V + rv[None, :]
     off_kk = rk[:, None] * K + rk[None, :]
-    off_a_s = rk[:, None] * (V + K) + rv[None, :]          # A [R, H, K, V + K] = [S | T] of the runs
+    off_a_s = rk[:, None] * (V + K) + rv[None, :]          # A [N, H, K, V + K] = [S | T] of the runs
     off_a_t = rk[:, None] * (V + K) + V + rk[None, :]
     x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     j0 = tl.load(cu + r)
     j1 = tl.load(cu + r + 1)
-    j = j0
-    while j < j1:
-        if ORDER:
-            m = tl.load(order + j)
-        else:
-            m = j
-        tl.store(before + (m * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
-        if RUNS and m >= E:
-            base_a = ((m - E) * H + h).to(tl.int64) * K * (V + K)
-            t = tl.load(A + base_a + off_a_t, mask=m_kk, other=0.0)
-            s = tl.load(A + base_a + off_a_s, mask=m_kv, other=0.0)
-        else:
-            t = tl.load(T + (m * H + h).to(tl.int64) * K * K + off_kk, mask=m_kk, other=0.0)
-            s = tl.load(S + (m * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
-        x = tl.dot(t, x, input_precision=PREC) + s
-        j += 1
+    if STAGES > 1:                  # a pipelined loop (Triton's interpreter cannot range over loaded bounds)
+        for j in tl.range(j0, j1, num_stages=STAGES):
+            x = _step(x, j, init, T, S, A, tab, before, order, E, h, off_kv, off_kk, off_a_s, off_a_t, m_kv, m_kk,
+                      H, K, V, PREC, ORDER, RUNS, PTRS, RUNS_ONLY)
+    else:
+        j = j0
+        while j < j1:
+            x = _step(x, j, init, T, S, A, tab, before, order, E, h, off_kv, off_kk, off_a_s, off_a_t, m_kv, m_kk,
+                      H, K, V, PREC, ORDER, RUNS, PTRS, RUNS_ONLY)
+            j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
 
@@ -64,17 +104,70 @@ def _sm_count(device) -> int:
     return _SMS[device]
 
 
-def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, order=None, runs=None,
-               bv: int | None = None, warps: int | None = None, precision: str = "tf32x3"):
+# (value block, warps, pipeline stages) tried on a shape's first eager call; the first is the run-12 default
+_CONFIGS = ((32, 8, 1), (64, 8, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 2))
+TUNED: dict = {}              # shape key -> (bv, warps, stages), with the timings (benchmarks print them)
+
+
+def _default(r: int, h: int, v: int, device) -> tuple[int, int, int]:
+    # one program per (request, head, block of 64 value columns); with too few of them to fill half the
+    # SMs (one request: 1 x 32 heads x 2 blocks = 64 programs on 132 SMs) blocks of 32 double the
+    # programs at the cost of reading each T twice (run 3 / 5: 64 was faster with 3 requests = 96)
+    return (32 if r * h * triton.cdiv(v, 64) < _sm_count(device) // 2 else 64), 8, 1
+
+
+def _tuned(key, device, launch, fallback, out) -> tuple[int, int, int]:
+    """The fastest configuration for this shape (timed once); one whose result differs from the first
+    configuration's by more than 1e-5 relative is never chosen."""
+    hit = TUNED.get(key)
+    if hit is not None:
+        return hit[0]
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return fallback
+    times, first = {}, None
+    for cfg in _CONFIGS:
+        try:
+            launch(cfg)                                   # compiles
+            if first is None:
+                first = out.clone()
+            elif float((out - first).norm()) > 1e-5 * float(first.norm()):
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(3):
+                launch(cfg)
+            b.record()
+            b.synchronize()
+            times[cfg] = a.elapsed_time(b) / 3
+        except Exception:  # a configuration this GPU / Triton cannot build: skipped
+            continue
+    if not times:
+        return fallback
+    best = min(times, key=times.get)
+    TUNED[key] = (best, times)
+    return best
+
+
+def scan_dense(init: torch.Tensor, T: torch.Tensor | None, S: torch.Tensor | None, cu, *, order=None, runs=None,
+               tab=None, entries: int | None = None, runs_only: bool = False, bv: int | None = None,
+               warps: int | None = None, stages: int | None = None, tune: bool = True, precision: str = "tf32x3"):
     """init [R, H, K, V], T [M, H, K, K], S [M, H, K, V] (fp32), cu [R + 1] -> (before, final [R, H, K, V]).
     cu: a list or an int32 device tensor; order [M'] int32 (device, optional): map j is slot order[j].
     runs [N, H, K, V + K] (optional, fp32 contiguous): slots M .. M + N - 1 are these runs' [S | T] (the
-    appended-identity kernel's final states), read in place; before then has M + N slots."""
+    appended-identity kernel's final states), read in place; before then has M + N slots.
+    tab [M, 2] int64 (device, optional; T and S then None, `entries` = M): the addresses of each cached
+    map's T [H, K, K] and S [H, K, V], fp32 contiguous, read in place. runs_only: before[m] is written
+    for the runs' slots only (the others are left as they are).
+    bv / warps / stages: a fixed configuration (else the tuned one, or the default when tune is False)."""
     r, h, k, v = init.shape
-    init, T, S = init.float().contiguous(), T.float().contiguous(), S.float().contiguous()
-    e = T.shape[0]
+    init = init.float().contiguous()
+    if tab is None:
+        T, S = T.float().contiguous(), S.float().contiguous()
+        e = T.shape[0]
+    else:
+        e = int(entries)
     slots = e + (0 if runs is None else runs.shape[0])
-    before = S.new_empty((slots,) + tuple(S.shape[1:]))
+    before = init.new_empty((slots, h, k, v))
     final = torch.empty_like(init)
     if slots == 0:
         final.copy_(init)
@@ -82,14 +175,22 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, orde
     if runs is not None and not (runs.is_contiguous() and runs.dtype == torch.float32 and runs.shape[-1] == v + k):
         raise ValueError("runs must be fp32, contiguous, [N, H, K, V + K]")
     bk = max(16, triton.next_power_of_2(k))
-    if bv is None:
-        # one program per (request, head, block of 64 value columns); with too few of them to fill half the
-        # SMs (one request: 1 x 32 heads x 2 blocks = 64 programs on 132 SMs) blocks of 32 double the
-        # programs at the cost of reading each T twice (run 3 / 5: 64 was faster with 3 requests = 96)
-        bv = 32 if r * h * triton.cdiv(v, 64) < _sm_count(init.device) // 2 else 64
     cu_t = cu if torch.is_tensor(cu) else torch.tensor(cu, dtype=torch.int32).to(init.device, non_blocking=True)
-    grid = (r, h, triton.cdiv(v, bv))
-    _scan_kernel[grid](init, T, S, S if runs is None else runs, before, final, cu_t, cu_t if order is None else order,
-                       e, H=h, K=k, V=v, BK=bk, BV=bv, PREC=precision, ORDER=order is not None,
-                       RUNS=runs is not None, num_warps=warps or 8)
+    dummy = before                                         # any fp32 pointer for the operands a form does not read
+
+    def launch(cfg):
+        b, w, st = cfg
+        _scan_kernel[(r, h, triton.cdiv(v, b))](
+            init, dummy if T is None else T, dummy if S is None else S, dummy if runs is None else runs,
+            cu_t if tab is None else tab, before, final, cu_t, cu_t if order is None else order, e,
+            H=h, K=k, V=v, BK=bk, BV=b, PREC=precision, ORDER=order is not None, RUNS=runs is not None,
+            PTRS=tab is not None, RUNS_ONLY=runs_only and runs is not None, STAGES=st, num_warps=w)
+
+    cfg = _default(r, h, v, init.device)
+    if bv is not None or warps is not None or stages is not None:
+        cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
+    elif tune:
+        key = (r, h, k, v, order is not None, runs is not None, tab is not None, precision)
+        cfg = _tuned(key, init.device, launch, cfg, final)
+    launch(cfg)
     return before, final

@@ -5,12 +5,16 @@ segments. The plain compose pass walks its pieces in Python in every layer: on a
 host-bound (thousands of launches, each a few microseconds of work). Here the request is lowered
 once, on the host, to device tables, and the forward becomes a pure function of fixed buffers:
 
-    tokens     ids, positions [Np]: the N active tokens, then a pad run of Np - N >= 1 tokens
-    runs       cu [R + 1] (R - 1 real runs, then the pad run); run_of, pos_in_run [Np]
+    tokens     ids, positions [Np]: the N active tokens, then Np - N >= 1 pad tokens
+    runs       cu [R + 1]: the request's runs cut into pieces of at most SUB_RUN tokens (the fused
+               recurrent kernel walks a run's tokens one after another: a 64-token query run
+               costed 4x a seam window per layer; the chain composes the pieces exactly), then
+               the pads' runs; run_of, pos_in_run [Np]
     chain      the maps in order: storage slots 0..E-1 hold the cached segments' (T, S), slots
                E..E+R-1 the runs' zero-start summaries (read where the kernel wrote them); order [E + R] lists
-               the slots in sequence order, the pad run last, so the scan's state before it is
-               the request's final state and every run gets a finite initial state
+               the slots in sequence order, then the pad runs as a second chain from zero (cu_maps
+               [0, E + R_real, E + R]): the first chain's final state is the request's, and every
+               pad run gets a finite initial state without lengthening the request's chain
     conv       one source buffer per linear layer: the initial window, the entries' tails packed,
                then the active raw inputs; conv_idx [Np, W] names each token's W inputs in it
     linear     the initial state [1, H, K, V] (the request's, after a cached prefix; else zero)
@@ -44,7 +48,8 @@ from .state import KVBuffer, LinearState
 
 log = logging.getLogger("hypic.compose")
 
-MAX_RUN = 64            # longest run the lowering takes (the fused recurrent kernel's range)
+MAX_RUN = 256           # longest run the lowering takes (longer: the planned walk's chunked kernel)
+SUB_RUN = 16            # the pieces a run is cut into (one map more in the chain per piece)
 MAX_TOKENS = 2048       # most active tokens
 _NEVER = 1 << 62        # the mask position of a key no query may see
 
@@ -52,7 +57,7 @@ _NEVER = 1 << 62        # the mask position of a key no query may see
 @dataclass(frozen=True)
 class ComposeShape:
     tokens: int         # Np
-    runs: int           # R, the pad run included
+    runs: int           # R, the pad runs included
     entries: int        # E
     keys: int           # Kc bucket: cached keys per attention layer
     held: int           # P bucket: keys the request holds before the pass (a cached prefix)
@@ -96,10 +101,11 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
         return None
     np_ = _round(n + 1, 64)
     pad = np_ - n
-    if pad > MAX_RUN:
-        return None
-    e, r = len(applies), len(runs) + 1
-    lens = [p.n for p in runs] + [pad]
+    pieces = _cut(work.pieces, SUB_RUN)
+    runs = [p for p in pieces if isinstance(p, Run)]
+    pads = [min(SUB_RUN, pad - a) for a in range(0, pad, SUB_RUN)]
+    e, r = len(applies), len(runs) + len(pads)
+    lens = [p.n for p in runs] + pads
     lmax = _round(max(lens), 8)
     kc = sum(p.entry.cached_tokens for p in applies)
     shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax)
@@ -107,16 +113,17 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     cu = torch.tensor([0] + lens).cumsum(0)
     run_of = torch.repeat_interleave(torch.arange(r), torch.tensor(lens))
     pos_in_run = torch.arange(np_) - cu[:-1][run_of]
-    # the chain in sequence order (storage: entries 0..E-1, runs E..E+R-1), the pad run last
+    # the chain in sequence order (storage: entries 0..E-1, runs E..E+R-1), the pad runs last
     order, ei, ri = [], 0, 0
-    for p in work.pieces:
+    for p in pieces:
         if isinstance(p, Apply):
             order.append(ei)
             ei += 1
         else:
             order.append(e + ri)
             ri += 1
-    order.append(e + r - 1)
+    main = len(order)                                # the request's chain; the pad runs: a second one
+    order.extend(range(e + ri, e + r))
     # conv: the stream of raw inputs as the recurrence sees them (entries by their tails)
     wm1 = max(conv_width - 1, 0)
     tail_rows, row = [], wm1
@@ -154,11 +161,22 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     tok_ids = torch.zeros(np_, dtype=torch.long)
     tok_ids[:n] = torch.tensor(ids[work.start:work.end])
     tables = dict(ids=tok_ids, positions=tok_pos, logits_index=torch.tensor([n - 1]), cu=cu,
-                  cu_maps=torch.tensor([0, e + r], dtype=torch.int32), order=torch.tensor(order, dtype=torch.int32),
+                  cu_maps=torch.tensor([0, main, e + r], dtype=torch.int32), order=torch.tensor(order, dtype=torch.int32),
                   run_of=run_of, pos_in_run=pos_in_run, kpos=kpos, kmask=kmask)
     if conv_width:
         tables.update(conv_idx=conv_idx, window=window)
     return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows)
+
+
+def _cut(pieces: list, k: int) -> list:
+    """The pieces with every run longer than k cut into consecutive runs of at most k tokens."""
+    out = []
+    for p in pieces:
+        if isinstance(p, Run) and p.n > k:
+            out.extend(Run(a, min(a + k, p.end)) for a in range(p.start, p.end, k))
+        else:
+            out.append(p)
+    return out
 
 
 def _held_positions(state) -> torch.Tensor:
@@ -202,7 +220,7 @@ class ComposeBuffers:
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.ids, self.positions, self.logits_index = z(np_), z(np_), z(1)
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
-        self.cu_maps, self.order = z(2, dt=torch.int32), z(e + r, dt=torch.int32)
+        self.cu_maps, self.order = z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         self.kpos, self.kmask = z(shape.keys), z(shape.held + shape.keys + np_)
         self.conv_idx, self.window = None, None
         self.layers = {}
