@@ -84,6 +84,9 @@ def gdn_inputs(lens, h=16, hv=32, dk=128, dv=128, dev="cuda", seed=0, decay=(0.9
     return q, k, v, gate, beta, cu, init
 
 
+ATTN_TIMES: dict = {}
+
+
 def check_ops(dev):
     from hypic.compose.transition import augment, split_augmented
 
@@ -136,7 +139,47 @@ def check_ops(dev):
     qs = qa[q_pos]
     a0 = ref.position_attention(qs.float(), ka.float(), vb.float(), q_pos, pos, scale=d ** -0.5)
     a1 = fast.position_attention(qs, ka, vb, q_pos, pos, scale=d ** -0.5)
-    row("SDPA masked, scattered queries vs reference", rel(a1, a0), 2e-2)
+    row("scattered queries (Triton split-K where triton imports) vs reference", rel(a1, a0), 2e-2)
+    # the compose pass's shape: 20 seam windows of 8 + a 64-token query (padded to 256) over ~32k keys
+    nk = 32768 + 256
+    kb = torch.randn(nk, hkv, d, device=dev, generator=gg).bfloat16()
+    vbb = torch.randn(nk, hkv, d, device=dev, generator=gg).bfloat16()
+    kp = torch.arange(nk, device=dev)
+    qp = torch.cat([torch.arange(s, s + 8) for s in range(64, 32768, 1638)][:20] + [torch.arange(32768, 32832)]).to(dev)
+    qp = torch.cat([qp, torch.zeros(256 - qp.numel(), dtype=torch.long, device=dev)])
+    qq = torch.randn(256, h, d, device=dev, generator=gg).bfloat16()
+    from hypic.ops import triton_attention
+
+    a0 = ref.position_attention(qq.float(), kb.float(), vbb.float(), qp, kp, scale=d ** -0.5)
+    a1 = triton_attention.position_attention(qq, kb, vbb, qp, kp, scale=d ** -0.5)
+    row("Triton split-K position attention (256 q x 33k keys) vs reference", rel(a1, a0), 2e-2)
+    explicit = fast._triton_attention
+    times = {}
+
+    def bench(fn, n=10):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e3
+
+    times["triton split-K"] = bench(lambda: triton_attention.position_attention(qq, kb, vbb, qp, kp, scale=d ** -0.5))
+    for bm, bn, w, st in ((64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 3)):
+        try:
+            times[f"triton bm={bm} bn={bn} warps={w} stages={st}"] = bench(lambda: triton_attention.position_attention(
+                qq, kb, vbb, qp, kp, scale=d ** -0.5, block_m=bm, block_n=bn, warps=w, stages=st))
+        except Exception as e:
+            times[f"triton bm={bm} bn={bn} warps={w} stages={st}"] = repr(e)[:80]
+    fast._triton_attention = lambda: None                       # the explicit-score path, same call
+    try:
+        times["explicit bf16 scores"] = bench(lambda: fast.position_attention(qq, kb, vbb, qp, kp, scale=d ** -0.5))
+    finally:
+        fast._triton_attention = explicit
+    for k_, v_ in times.items():
+        print(f"   compose attention 256 q x {nk} keys x 16 heads, {k_}: {v_ if isinstance(v_, str) else f'{v_:.3f} ms'}")
+    ATTN_TIMES.update(times)
     # MoE
     n, hd, inter, e, topk = 512, 2048, 512, 256, 8
     xm = torch.randn(n, hd, device=dev, generator=gg).bfloat16()
@@ -198,10 +241,30 @@ def check_scan(dev):
     one_T = torch.cat([T, T[:1]]) if T.shape[0] < 42 else T[:42]
     one_S = torch.cat([S, S[:1]]) if S.shape[0] < 42 else S[:42]
     one = {}
-    for bv in (32, 64, None):
-        one[f"bv={bv or 'default'}"] = bench(lambda: triton_scan.scan_dense(one_init, one_T, one_S, one_cu, bv=bv))
+    for bv, w, st in triton_scan._CONFIGS:
+        try:
+            b2, f2 = triton_scan.scan_dense(one_init, one_T, one_S, one_cu, bv=bv, warps=w, stages=st)
+            one[f"bv={bv} warps={w} stages={st}"] = bench(
+                lambda: triton_scan.scan_dense(one_init, one_T, one_S, one_cu, bv=bv, warps=w, stages=st))
+        except Exception as e:
+            one[f"bv={bv} warps={w} stages={st}"] = repr(e)[:80]
+    one["tuned"] = bench(lambda: triton_scan.scan_dense(one_init, one_T, one_S, one_cu))
+    # the compose pass's form: cached maps through an address table, runs' [S | T] in place
+    tab = torch.tensor([[one_T[i].data_ptr(), one_S[i].data_ptr()] for i in range(20)], dtype=torch.long, device=dev)
+    runs = torch.cat([one_S[20:], one_T[20:]], dim=-1).contiguous()
+    order = torch.tensor([20 + i // 2 if i % 2 == 0 else i // 2 for i in range(40)] + [40, 41], dtype=torch.int32,
+                         device=dev)
+    cu_t = torch.tensor([0, 42], dtype=torch.int32, device=dev)
+    bt, ft = triton_scan.scan_dense(one_init, None, None, cu_t, order=order, runs=runs, tab=tab, entries=20,
+                                    runs_only=True)
+    allT, allS = torch.cat([one_T[:20], one_T[20:]]), torch.cat([one_S[:20], one_S[20:]])
+    b0, f0 = scan_dense_reference(one_init.double(), allT.double(), allS.double(), [0, 42], order.tolist())
+    row("Triton scan, address-table form (compose pass) vs fp64", rel(ft, f0), 1e-5)
+    one["address table + runs in place (tuned)"] = bench(lambda: triton_scan.scan_dense(
+        one_init, None, None, cu_t, order=order, runs=runs, tab=tab, entries=20, runs_only=True))
     for k, v in one.items():
-        print(f"   scan 1 request (42 maps) x 32 heads, {k}: {v:.3f} ms")
+        print(f"   scan 1 request (42 maps) x 32 heads, {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
+    print(f"   scan tuned picks: {triton_scan.TUNED}")
     return dict(scan_ms=times, scan_one_request_ms=one)
 
 
@@ -368,6 +431,7 @@ def main():
             traceback.print_exc()
             ROWS.append(dict(check=name, error=repr(e), ok=False))
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+    result["attention_ms"] = ATTN_TIMES
     result["rows"] = ROWS
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))

@@ -74,6 +74,28 @@ def test_triton_scan_matches_fp64():
 
 
 @cuda
+def test_triton_position_attention_matches_reference():
+    """bf16 operands, fp32 softmax: the bound of the other bf16 attention checks (gpu_check.py)."""
+    pytest.importorskip("triton")
+    from hypic.ops import triton_attention
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    nq, h, hkv, d, nk = 70, 16, 2, 256, 5000
+    q = torch.randn(nq, h, d, device="cuda", generator=g).bfloat16()
+    k = torch.randn(nk, hkv, d, device="cuda", generator=g).bfloat16()
+    v = torch.randn(nk, hkv, d, device="cuda", generator=g).bfloat16()
+    kpos = torch.randperm(nk, device="cuda", generator=g)
+    qpos = torch.randint(0, nk, (nq,), device="cuda", generator=g)
+    kpos[0], qpos[0] = 0, 0
+    o0 = ref.position_attention(q.double(), k.double(), v.double(), qpos, kpos, scale=d ** -0.5)
+    for splits in (None, 1, 7):
+        o1 = triton_attention.position_attention(q, k, v, qpos, kpos, scale=d ** -0.5, splits=splits)
+        assert rel(o1, o0) < 2e-2
+    o2 = fast.position_attention(q, k, v, qpos, kpos, scale=d ** -0.5)        # the backend takes it
+    assert rel(o2, o0) < 2e-2
+
+
+@cuda
 def test_engine_bf16_cuda_matches_cpu_reference():
     """The same weights in fp32 on the CPU (reference ops) and bf16 on CUDA (fast ops); the bound is
     twice the CPU reference's own error in bf16 on this model (gpu_check.py explains why)."""
@@ -189,9 +211,10 @@ def test_pic_training_step_on_cuda_matches_cpu():
 
 def test_triton_scan_in_triton_interpreter():
     """Where triton is installed but there is no GPU: the scan kernel's forms (stacked maps, slot order,
-    runs read in place, cached maps through an address table, the compose pass's two chains) run in
-    Triton's CPU interpreter against the fp64 reference, and a whole compose pass over the address
-    table equals the planned walk (a subprocess: the interpreter is chosen when triton is imported)."""
+    runs read in place, cached maps through an address table, the compose pass's two chains), the
+    split-K position attention and the gathered conv run in Triton's CPU interpreter against the fp64 references, and a
+    whole compose pass over the address table equals the planned walk (a subprocess: the interpreter
+    is chosen when triton is imported)."""
     import importlib.util
     import os
     import subprocess
@@ -222,7 +245,28 @@ Ts, Ss = [T[i].clone() for i in range(E)], [S[i].clone() for i in range(E)]
 tab = torch.tensor([[Ts[i].data_ptr(), Ss[i].data_ptr()] for i in range(E)], dtype=torch.int64)
 b1, f1 = triton_scan.scan_dense(init, None, None, cu, order=order, runs=runs, tab=tab, entries=E, runs_only=True)
 assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6
+from hypic.ops import triton_attention
+from hypic.ops.reference import position_attention
+for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):
+    q, k, v = torch.randn(nq, h, d), torch.randn(nk, hkv, d), torch.randn(nk, hkv, d)
+    kpos = torch.randperm(nk)
+    kpos[torch.rand(nk) < 0.1] = 1 << 62           # keys no query may see (the compose pass's pads)
+    qpos = torch.randint(0, nk, (nq,))
+    kpos[0], qpos[0] = 0, 0
+    o0 = position_attention(q.double(), k.double(), v.double(), qpos, kpos, scale=d ** -0.5)
+    for splits in (None, 1, 3):
+        o1 = triton_attention.position_attention(q, k, v, qpos, kpos, scale=d ** -0.5, block_m=16, block_n=16,
+                                                 splits=splits)
+        assert rel(o1, o0) < 1e-6, (nq, splits)
+from hypic.ops.triton_conv import gathered_conv
+src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
+w, b = torch.randn(300, 4), torch.randn(300)
+y0 = torch.nn.functional.silu((src[idx] * w.t()).sum(1) + b)
+assert rel(gathered_conv(src, idx, w, b, "silu"), y0.double()) < 1e-6
+assert rel(gathered_conv(src, idx, w, None, None), (src[idx] * w.t()).sum(1).double()) < 1e-6
 sc.kernel_ready = lambda device: True          # the compose pass's address-table form, interpreted
+from hypic.ops import fast
+fast.INTERPRETED = True                        # and its conv and attention kernels
 from hypic import LLM, Prompt, SamplingParams
 segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
 ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 100 + q)))

@@ -194,12 +194,18 @@ class LinearMixer(nn.Module):
         src = buf["src"]
         src[src.shape[0] - sh.tokens :] = raw
         weight, bias = self.conv_weights()
-        # [Np, W, C] times [W, C], summed over W: elementwise (as an einsum it became a batched GEMV, 0.11 ms
-        # per layer on the H200 for ~10 us of work)
-        y = (src[c.conv_idx].float() * weight.float().t()).sum(1)
-        if bias is not None:
-            y = y + bias.float()
-        conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
+        from ..ops.fast import triton_here
+
+        conv = _gathered_conv() if triton_here(src) and self.conv_activation in (None, "silu") else None
+        if conv is not None:                # one kernel (ops/triton_conv.py)
+            conv_out = conv(src, c.conv_idx, weight, bias, self.conv_activation)
+        else:
+            # [Np, W, C] times [W, C], summed over W: elementwise (as an einsum it became a batched GEMV, 0.11 ms
+            # per layer on the H200 for ~10 us of work)
+            y = (src[c.conv_idx].float() * weight.float().t()).sum(1)
+            if bias is not None:
+                y = y + bias.float()
+            conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
         o0, u, aug = self.kernel(f, conv_out, slice(0, sh.tokens), buf["zero_aug"], c.cu, True, readout=True,
                                  short=True, init_augmented=True)
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
@@ -535,6 +541,22 @@ class LinearMixer(nn.Module):
             if run.mark:                 # cached in a prefix node: own the memory, not a view of the batch
                 run.captures[L] = LinearState(final[i].clone(), st.conv)
         return out
+
+
+_CONV = None
+
+
+def _gathered_conv():
+    """ops/triton_conv.gathered_conv, or None where triton is missing."""
+    global _CONV
+    if _CONV is None:
+        try:
+            from ..ops.triton_conv import gathered_conv
+        except Exception:
+            _CONV = False
+        else:
+            _CONV = gathered_conv
+    return _CONV or None
 
 
 def _corrected(o0, u, s0, run_of, pos, lmax: int):

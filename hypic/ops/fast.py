@@ -4,9 +4,11 @@
                        when the tensors are on CUDA and fla imports; the reference otherwise
     short conv         fla-core's Triton varlen conv on CUDA; elsewhere one depthwise conv over all
                        runs of a varlen batch
-    attention          PyTorch SDPA: flash (causal) when the keys are exactly the queries' tokens,
-                       else memory-efficient with a position mask, GQA folded into the query axis;
-                       decode over fixed-size per-sequence slots without a host sync
+    attention          PyTorch SDPA: flash (causal) when the keys are exactly the queries' tokens or
+                       end with them (bottom-right); few queries at scattered positions over many keys
+                       (the compose pass) in a split-K Triton kernel with a position mask
+                       (ops/triton_attention.py; explicit scores where triton is missing); else SDPA
+                       with a position mask; decode over fixed-size per-sequence slots without a host sync
     MoE experts        two grouped GEMMs (torch._grouped_mm) over tokens sorted by expert
 KDA, GLA and simple GLA stay on the reference ops here (their fla kernels are not wired yet).
 
@@ -48,8 +50,26 @@ def _fla_conv():
     return causal_conv1d
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_attention():
+    """The position-masked split-K attention kernel, or None where triton is missing."""
+    try:
+        from .triton_attention import position_attention as fn
+    except Exception:
+        return None
+    return fn
+
+
 def fla_available() -> bool:
     return _fla() is not None
+
+
+INTERPRETED = False     # tests: the Triton kernels also take CPU tensors, in any float dtype (Triton's interpreter)
+
+
+def triton_here(t: torch.Tensor) -> bool:
+    """A Triton kernel of this backend may run on t: a CUDA tensor, or any under the interpreter (tests)."""
+    return t.is_cuda or INTERPRETED
 
 
 _LAYOUTS: dict = {}
@@ -192,9 +212,15 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, is_causal=True, scale=scale,
                                            enable_gqa=rep > 1)
         return o[0].transpose(0, 1)
+    few = h * nq * nk * 4 <= _SCORES_BYTES
+    # (fp32 stays on the explicit path: the kernel's products are tf32 on the GPU)
+    if few and triton_here(q) and (q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) \
+            and _triton_attention() is not None:
+        # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped
+        return _triton_attention()(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale)
     # GQA folded into the query axis: [Hkv, rep * Nq, D] against [Hkv, Nk, D], one mask row per query
     qf = q.view(nq, hkv, rep, d).permute(1, 2, 0, 3)                             # [Hkv, rep, Nq, D]
-    if h * nq * nk * 4 <= _SCORES_BYTES:
+    if few:
         # few queries (seams, a query, decode) over many keys: the fused kernels parallelise over query
         # blocks and heads, too few here to fill the GPU; two batched GEMMs and a softmax do
         # The scores stay in the input dtype: scaled inside the GEMM (fp32 accumulator, alpha), masked in

@@ -1,0 +1,111 @@
+"""Triton kernel: few queries at arbitrary positions over many keys, causal by position (CUDA only).
+
+The compose pass's attention: a few hundred active tokens (seam windows, the query) against every
+key of a long request (cached segments placed at new positions, the request's own tokens), query i
+seeing key j iff k_pos[j] <= q_pos[i]. Flash kernels parallelise over query blocks and heads, too few
+here to fill the GPU; the explicit form materialises [heads, queries, keys] scores and walks them
+three times. This is the split-K (flash-decoding) form with a position mask:
+
+    program (query block, kv head, key split): rows are (query, head-in-group) pairs, query-major,
+    so one block holds BM / rep neighbouring queries of all the group's heads; it walks its split
+    of the keys in blocks of BN with an online softmax (fp32), skipping key blocks no row may see
+    (their smallest mask position above the block's largest query position), and writes its
+    unnormalised output with the row maximum and sum;
+    `position_attention` folds the splits (log-sum-exp weights) in a few batched ops.
+
+Every row sees at least one key (the compose pass's pads sit at position 0, where the request has a
+key; real queries see themselves), so the fold never divides by zero.
+
+Imported lazily (ops/fast.py): importing it needs triton, which CPU machines may lack.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_split, blocks, scale,
+                    H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                    BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    pid_m = tl.program_id(0)
+    hk = tl.program_id(1)
+    sp = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)                 # folded rows: query * REP + head in group
+    qi = rows // REP
+    head = hk * REP + rows % REP
+    row_ok = qi < Nq
+    qp = tl.load(qpos + qi, mask=row_ok, other=-1)
+    qmax = tl.max(qp, axis=0)
+    d = tl.arange(0, BD)
+    dv = tl.arange(0, BDV)
+    qb = tl.load(q + (qi.to(tl.int64) * H + head)[:, None] * D + d[None, :], mask=row_ok[:, None] & (d < D)[None, :],
+                 other=0.0)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BDV], tl.float32)
+    n0 = sp * per_split
+    n1 = tl.minimum(n0 + per_split, Nk)
+    it = 0
+    while it < blocks:                                   # blocks = per_split / BN (the interpreter cannot range over it)
+        cols = n0 + it * BN + tl.arange(0, BN)
+        col_ok = cols < n1
+        kp = tl.load(kpos + cols, mask=col_ok, other=qmax + 1)
+        if tl.min(kp, axis=0) <= qmax:
+            kb = tl.load(k + (cols.to(tl.int64) * HKV + hk)[:, None] * D + d[None, :],
+                         mask=col_ok[:, None] & (d < D)[None, :], other=0.0)
+            s = tl.dot(qb, tl.trans(kb)) * scale
+            s = tl.where(kp[None, :] <= qp[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vb = tl.load(v + (cols.to(tl.int64) * HKV + hk)[:, None] * DV + dv[None, :],
+                         mask=col_ok[:, None] & (dv < DV)[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            m_i = m_new
+        it += 1
+    nrows = Nq * REP
+    base = (sp * HKV + hk).to(tl.int64) * nrows
+    out_rows = base + rows
+    tl.store(acc_out + out_rows[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv < DV)[None, :])
+    tl.store(m_out + out_rows, m_i, mask=row_ok)
+    tl.store(l_out + out_rows, l_i, mask=row_ok)
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device) -> int:
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return _SMS[device]
+
+
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, block_m: int = 64, block_n: int = 64,
+                       splits: int | None = None, warps: int = 8, stages: int = 2):
+    """q [Nq, H, D], k [Nk, Hkv, D], v [Nk, Hkv, Dv] (one dtype), q_pos [Nq], k_pos [Nk] int64 ->
+    [Nq, H, Dv] in q's dtype. No host sync (CUDA-graph safe): the split count comes from the shapes."""
+    nq, h, d = q.shape
+    nk, hkv, dv = v.shape
+    rep = h // hkv
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    nrows = nq * rep
+    mblocks = triton.cdiv(nrows, block_m)
+    if splits is None:                 # about two programs per SM, each walking at least four key blocks
+        splits = max(1, min(triton.cdiv(2 * _sm_count(q.device), mblocks * hkv), triton.cdiv(nk, 4 * block_n)))
+    per = triton.cdiv(triton.cdiv(nk, splits), block_n) * block_n
+    splits = triton.cdiv(nk, per)
+    acc = q.new_empty((splits, hkv, nrows, dv), dtype=torch.float32)
+    m = q.new_empty((splits, hkv, nrows), dtype=torch.float32)
+    l = torch.empty_like(m)
+    _partial_kernel[(mblocks, hkv, splits)](
+        q, k, v, q_pos, k_pos, acc, m, l, nq, nk, per, per // block_n, scale, H=h, HKV=hkv, REP=rep, D=d, DV=dv,
+        BD=max(16, triton.next_power_of_2(d)), BDV=max(16, triton.next_power_of_2(dv)), BM=block_m, BN=block_n,
+        num_warps=warps, num_stages=stages)
+    w = torch.exp(m - m.amax(0, keepdim=True))                   # splits a row cannot see: m = -inf, w = 0
+    out = (acc * w[..., None]).sum(0) / (l * w).sum(0)[..., None]   # [Hkv, Nq * rep, Dv]
+    return out.view(hkv, nq, rep, dv).permute(1, 0, 2, 3).reshape(nq, h, dv).to(q.dtype)
