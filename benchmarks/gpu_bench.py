@@ -72,9 +72,13 @@ def profile(name, fn):
         sync()
     ka = pr.key_averages()
     print(f"\n== profile: {name} ==")
-    print(ka.table(sort_by="self_cuda_time_total" if DEV == "cuda" else "self_cpu_time_total", row_limit=22,
+    print(ka.table(sort_by="self_cuda_time_total" if DEV == "cuda" else "self_cpu_time_total", row_limit=36,
                    max_name_column_width=60))
-    print(ka.table(sort_by="cpu_time_total", row_limit=22, max_name_column_width=60))
+    print(ka.table(sort_by="cpu_time_total", row_limit=16, max_name_column_width=60))
+    # the aten ops by input shapes: which tensors the elementwise kernels and copies walk
+    kb = pr.key_averages(group_by_input_shape=True)
+    print(kb.table(sort_by="self_cuda_time_total" if DEV == "cuda" else "self_cpu_time_total", row_limit=30,
+                   max_name_column_width=40, max_shapes_column_width=70))
 
 
 def ceilings():

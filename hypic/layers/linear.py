@@ -197,9 +197,15 @@ class LinearMixer(nn.Module):
         from ..ops.fast import triton_here
 
         conv = _gathered_conv() if triton_here(src) and self.conv_activation in (None, "silu") else None
+        conv_out = None
         if conv is not None:                # one kernel (ops/triton_conv.py)
-            conv_out = conv(src, c.conv_idx, weight, bias, self.conv_activation)
-        else:
+            try:
+                conv_out = conv(src, c.conv_idx, weight, bias, self.conv_activation)
+            except Exception as e:  # a Triton that cannot build it: the PyTorch form from now on
+                if src.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise
+                _no_gathered_conv(e)
+        if conv_out is None:
             # [Np, W, C] times [W, C], summed over W: elementwise (as an einsum it became a batched GEMV, 0.11 ms
             # per layer on the H200 for ~10 us of work)
             y = (src[c.conv_idx].float() * weight.float().t()).sum(1)
@@ -557,6 +563,14 @@ def _gathered_conv():
         else:
             _CONV = gathered_conv
     return _CONV or None
+
+
+def _no_gathered_conv(e: Exception) -> None:
+    import logging
+
+    global _CONV
+    logging.getLogger("hypic.layers").warning("Triton gathered conv unavailable (%s: %s)", type(e).__name__, e)
+    _CONV = False
 
 
 def _corrected(o0, u, s0, run_of, pos, lmax: int):

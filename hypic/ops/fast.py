@@ -60,6 +60,15 @@ def _triton_attention():
     return fn
 
 
+def _disable_triton_attention(e: Exception) -> None:
+    import logging
+
+    logging.getLogger("hypic.ops").warning("Triton position attention unavailable (%s: %s); explicit scores instead",
+                                           type(e).__name__, e)
+    _triton_attention.cache_clear()
+    globals()["_triton_attention"] = lambda: None
+
+
 def fla_available() -> bool:
     return _fla() is not None
 
@@ -217,7 +226,12 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     if few and triton_here(q) and (q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) \
             and _triton_attention() is not None:
         # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped
-        return _triton_attention()(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale)
+        try:
+            return _triton_attention()(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale)
+        except Exception as e:  # a GPU / Triton that cannot build it (resources): the explicit path from now on
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            _disable_triton_attention(e)
     # GQA folded into the query axis: [Hkv, rep * Nq, D] against [Hkv, Nk, D], one mask row per query
     qf = q.view(nq, hkv, rep, d).permute(1, 2, 0, 3)                             # [Hkv, rep, Nq, D]
     if few:
