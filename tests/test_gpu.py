@@ -93,6 +93,11 @@ def test_triton_position_attention_matches_reference():
         assert rel(o1, o0) < 2e-2
     o2 = fast.position_attention(q, k, v, qpos, kpos, scale=d ** -0.5)        # the backend takes it
     assert rel(o2, o0) < 2e-2
+    kp2, qp2 = torch.arange(nk, device="cuda"), torch.randint(0, nk, (nq,), device="cuda", generator=g)
+    o3 = ref.position_attention(q.double(), k.double(), v.double(), qp2, kp2, scale=d ** -0.5)
+    for splits in (None, 1, 7):
+        o4 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, splits=splits)
+        assert rel(o4, o3) < 2e-2
 
 
 @cuda
@@ -258,6 +263,14 @@ for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):
         o1 = triton_attention.position_attention(q, k, v, qpos, kpos, scale=d ** -0.5, block_m=16, block_n=16,
                                                  splits=splits)
         assert rel(o1, o0) < 1e-6, (nq, splits)
+    kp2 = torch.arange(nk)
+    kp2[-5:] = 1 << 62                             # sorted keys (the compose pass's gathered order)
+    qp2 = torch.randint(0, nk - 5, (nq,))
+    o2 = position_attention(q.double(), k.double(), v.double(), qp2, kp2, scale=d ** -0.5)
+    for splits in (None, 1, 3):
+        o3 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, block_n=16,
+                                                 splits=splits)
+        assert rel(o3, o2) < 1e-6, (nq, splits)
 from hypic.ops.triton_conv import gathered_conv
 src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
 w, b = torch.randn(300, 4), torch.randn(300)

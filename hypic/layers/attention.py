@@ -108,8 +108,9 @@ class AttentionMixer(nn.Module):
 
     def _forward_captured(self, x, batch):
         """Every cached key placed at its position (one RoPE call from the positions table), the active
-        tokens' keys after them; each query attends to the keys whose mask position is at most its own
-        (pads never visible). The keys and values stay in the pass's outputs for the request's state."""
+        tokens' keys after them; each query attends to the keys whose position is at most its own (pads
+        never visible), gathered into position order first. The keys and values stay in the pass's
+        outputs, unsorted, for the request's state."""
         c = batch.captured
         buf = c.layers[self.layer_idx]
         q, k_raw, v, extra = self.project(x, batch)
@@ -118,7 +119,11 @@ class AttentionMixer(nn.Module):
         kc = self.place_keys(buf["k"], c.kpos, batch, "placed")
         keys, values = torch.cat([buf["hk"], kc, k]), torch.cat([buf["hv"], buf["v"], v])
         c.outputs[self.layer_idx] = (keys, values)
-        return self.output(x, self.attend(q, keys, values, batch.positions, c.kmask), extra)
+        # attended in position order: query i sees the sorted keys 0..qlast[i] (a prefix: the fast kernel
+        # walks only the blocks before it), keys no query may see last
+        ks, vs = keys.index_select(0, c.kperm), values.index_select(0, c.kperm)
+        out = self.ops.position_attention(q, ks, vs, c.qlast, c.kidx, scale=self.scale, sorted_keys=True)
+        return self.output(x, out, extra)
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> KVBuffer:
         """The request's keys after the pass: those it held (its buffer, appended to), the placed

@@ -206,11 +206,12 @@ _MASK_BYTES = 1 << 28          # the largest [queries, keys] mask one SDPA call 
 _SCORES_BYTES = 1 << 30        # few queries over many keys: explicit fp32 scores up to this size
 
 
-def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False):
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False):
     """SDPA behind the reference signature. contiguous: the keys are in position order, at consecutive
     positions, and end with the queries' own tokens (a fresh sequence: keys == queries; or a request
     continuing a cached prefix): causal attention aligned at the bottom right, which flash serves
-    without a mask (masks of [queries, keys] for long prefix continuations cost more than the attention)."""
+    without a mask (masks of [queries, keys] for long prefix continuations cost more than the attention).
+    sorted_keys: k_pos is non-decreasing (the Triton kernel then walks each query block's visible prefix only)."""
     nq, h, d = q.shape
     nk, hkv, dv = v.shape
     if h % hkv:
@@ -227,7 +228,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
             and _triton_attention() is not None:
         # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped
         try:
-            return _triton_attention()(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale)
+            return _triton_attention()(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale,
+                                       sorted_keys=sorted_keys)
         except Exception as e:  # a GPU / Triton that cannot build it (resources): the explicit path from now on
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise

@@ -20,7 +20,8 @@ once, on the host, to device tables, and the forward becomes a pure function of 
     linear     the initial state [1, H, K, V] (the request's, after a cached prefix; else zero)
     attention  the keys the request holds already (a cached prefix, as attended) [P, Hkv, D], then
                the entries' position-free keys and values packed [Kc, Hkv, D] with their positions;
-               a mask position per key (pads: never visible)
+               a mask position per key (pads: never visible); the permutation kperm that puts the
+               keys in position order, and per query the index of the last sorted key it sees (qlast)
 
 Before a replay the request's tables are copied in (one host-to-device copy each) and its cached
 tensors stacked into the fixed buffers (one op per layer and kind, each mixer's `compose_fill`);
@@ -158,11 +159,15 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     tok_pos = torch.zeros(np_, dtype=torch.long)
     tok_pos[:n] = torch.tensor(positions[work.start:work.end])
     kmask[p0 + shape.keys : p0 + shape.keys + n] = tok_pos[:n]
+    # the keys in position order (those never visible last) and, per query, the last sorted key it sees
+    kperm = torch.argsort(kmask, stable=True)
+    qlast = torch.searchsorted(kmask[kperm], tok_pos, right=True) - 1        # pads (position 0): key 0
     tok_ids = torch.zeros(np_, dtype=torch.long)
     tok_ids[:n] = torch.tensor(ids[work.start:work.end])
     tables = dict(ids=tok_ids, positions=tok_pos, logits_index=torch.tensor([n - 1]), cu=cu,
                   cu_maps=torch.tensor([0, main, e + r], dtype=torch.int32), order=torch.tensor(order, dtype=torch.int32),
-                  run_of=run_of, pos_in_run=pos_in_run, kpos=kpos, kmask=kmask)
+                  run_of=run_of, pos_in_run=pos_in_run, kpos=kpos, kmask=kmask,
+                  kperm=kperm, qlast=qlast)
     if conv_width:
         tables.update(conv_idx=conv_idx, window=window)
     return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows)
@@ -221,7 +226,9 @@ class ComposeBuffers:
         self.ids, self.positions, self.logits_index = z(np_), z(np_), z(1)
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
         self.cu_maps, self.order = z(3, dt=torch.int32), z(e + r, dt=torch.int32)
-        self.kpos, self.kmask = z(shape.keys), z(shape.held + shape.keys + np_)
+        nkeys = shape.held + shape.keys + np_
+        self.kpos, self.kmask, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(nkeys), z(np_)
+        self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
         self.conv_idx, self.window = None, None
         self.layers = {}
         shared: dict = {}                # read-only tensors the layers of one shape share
