@@ -256,19 +256,22 @@ def check_scan(dev):
         except Exception as e:
             one[f"bv={bv} warps={w} stages={st}"] = repr(e)[:80]
     one["tuned"] = bench(lambda: triton_scan.scan_dense(one_init, one_T, one_S, one_cu))
-    # the compose pass's form: cached maps through an address table, runs' [S | T] in place
-    tab = torch.tensor([[one_T[i].data_ptr(), one_S[i].data_ptr()] for i in range(20)], dtype=torch.long, device=dev)
+    # the compose pass's form: a step table names each cached map by address, runs' [S | T] in place
     runs = torch.cat([one_S[20:], one_T[20:]], dim=-1).contiguous()
-    order = torch.tensor([20 + i // 2 if i % 2 == 0 else i // 2 for i in range(40)] + [40, 41], dtype=torch.int32,
-                         device=dev)
+    order = [20 + i // 2 if i % 2 == 0 else i // 2 for i in range(40)] + [40, 41]
+    rows = []
+    for m in order:
+        off = (m - 20) * 32 * 128 * 256 * 4
+        rows.append([one_T[m].data_ptr(), one_S[m].data_ptr(), 0, m] if m < 20 else [off, off, 1, m])
+    steps = torch.tensor(rows, dtype=torch.long, device=dev)
     cu_t = torch.tensor([0, 42], dtype=torch.int32, device=dev)
-    bt, ft = triton_scan.scan_dense(one_init, None, None, cu_t, order=order, runs=runs, tab=tab, entries=20,
-                                    runs_only=True)
-    allT, allS = torch.cat([one_T[:20], one_T[20:]]), torch.cat([one_S[:20], one_S[20:]])
-    b0, f0 = scan_dense_reference(one_init.double(), allT.double(), allS.double(), [0, 42], order.tolist())
-    row("Triton scan, address-table form (compose pass) vs fp64", rel(ft, f0), 1e-5)
-    one["address table + runs in place (tuned)"] = bench(lambda: triton_scan.scan_dense(
-        one_init, None, None, cu_t, order=order, runs=runs, tab=tab, entries=20, runs_only=True))
+    bt, ft = triton_scan.scan_steps(one_init, steps, cu_t, runs, 42)
+    b0, f0 = scan_dense_reference(one_init.double(), one_T.double(), one_S.double(), [0, 42], order)
+    row("Triton scan, step-table form (compose pass) vs fp64", rel(ft, f0), 1e-5)
+    for bv, w, st in triton_scan._CONFIGS:
+        one[f"step table bv={bv} warps={w} stages={st}"] = bench(
+            lambda: triton_scan.scan_steps(one_init, steps, cu_t, runs, 42, bv=bv, warps=w, stages=st))
+    one["step table (tuned)"] = bench(lambda: triton_scan.scan_steps(one_init, steps, cu_t, runs, 42))
     for k, v in one.items():
         print(f"   scan 1 request (42 maps) x 32 heads, {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
     print(f"   scan tuned picks: {triton_scan.TUNED}")

@@ -247,8 +247,15 @@ for bv in (16, 32):
     b1, f1 = triton_scan.scan_dense(init, T, S, cu, order=order, runs=runs, bv=bv)
     assert rel(b1, b0) < 1e-6 and rel(f1, f0) < 1e-6, bv
 Ts, Ss = [T[i].clone() for i in range(E)], [S[i].clone() for i in range(E)]
-tab = torch.tensor([[Ts[i].data_ptr(), Ss[i].data_ptr()] for i in range(E)], dtype=torch.int64)
-b1, f1 = triton_scan.scan_dense(init, None, None, cu, order=order, runs=runs, tab=tab, entries=E, runs_only=True)
+rows = []
+for m in order.tolist():                       # the step table: cached maps by address, runs by offset
+    if m < E:
+        rows.append([Ts[m].data_ptr(), Ss[m].data_ptr(), 0, m])
+    else:
+        off = (m - E) * H * K * (V + K) * 4
+        rows.append([off, off, 1, m])
+steps = torch.tensor(rows, dtype=torch.int64)
+b1, f1 = triton_scan.scan_steps(init, steps, cu, runs, E + N)
 assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6
 from hypic.ops import triton_attention
 from hypic.ops.reference import position_attention
@@ -289,7 +296,7 @@ out = {}
 for comp in ("eager", "static"):
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose=comp, seed=0)
     out[comp] = [llm.generate([p], sp)[0] for p in ps]
-assert llm.engine.composer.runs == len(ps) and "tab" in next(iter(llm.engine.composer.ready.values()))[0].layers[0]
+assert llm.engine.composer.runs == len(ps) and "steps" in next(iter(llm.engine.composer.ready.values()))[0].layers[0]
 for a, b in zip(out["eager"], out["static"]):
     assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
 print("ok")

@@ -56,11 +56,11 @@ def scan_dense(init, T, S, cu, order=None, runs=None, runs_only: bool = False):
     return _kernel()(init, T, S, cu, order=order, runs=runs, runs_only=runs_only)
 
 
-def scan_dense_in_place(init, tab, entries: int, cu, order, runs):
-    """The compose pass's form on CUDA: the cached maps read through an address table tab [E, 2] (each
-    entry's own fp32 contiguous T and S), runs' [S | T] in place; only the runs' slots of `before` are
-    written. Needs the Triton kernel (`kernel_ready`)."""
-    return _kernel()(init, None, None, cu, order=order, runs=runs, tab=tab, entries=entries, runs_only=True)
+def scan_steps(init, steps, cu, runs, slots: int):
+    """The compose pass's form on CUDA (ops/triton_scan.scan_steps): each chain step's T and S named by
+    address in a step table, runs' [S | T] in place; `before` written at the runs' slots only. Needs the
+    Triton kernel (`kernel_ready`)."""
+    return _steps()(init, steps, cu, runs, slots)
 
 
 def kernel_ready(device) -> bool:
@@ -69,6 +69,12 @@ def kernel_ready(device) -> bool:
 
 
 _KERNEL = None
+
+
+def _steps():
+    from ..ops import triton_scan
+
+    return triton_scan.scan_steps
 
 
 def _kernel():
@@ -88,5 +94,5 @@ def stack_dense(maps: list) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([t.t.float() for t, _ in maps]), torch.stack([s.float() for _, s in maps])
 
 
-__all__ = ["scan_chain", "scan_dense", "scan_dense_in_place", "scan_dense_reference", "kernel_ready", "stack_dense",
+__all__ = ["scan_chain", "scan_dense", "scan_steps", "scan_dense_reference", "kernel_ready", "stack_dense",
            "Form", "Transition"]

@@ -136,7 +136,10 @@ class LinearMixer(nn.Module):
         buf = dict(zero_aug=shared[key], init=torch.zeros(2, h, k, v, device=device),
                    src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
         if kernel_ready(device):
-            buf.update(tab=torch.zeros(e, 2, dtype=torch.long, device=device), keep=[])
+            # the chain's step table [E + R, 4] (runtime/compose_graph.py gives every layer a row of one host
+            # and one device tensor, copied once per request)
+            shared.setdefault("steps", []).append(buf)
+            buf["keep"] = []
         else:
             buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))
         return buf
@@ -157,18 +160,29 @@ class LinearMixer(nn.Module):
                 buf["src"][:wm1].zero_()
             else:
                 buf["src"][:wm1] = st.conv
-        if "tab" in buf:
+        if "steps" in buf:
             # read in place: each entry's own T and S (a copy only where one is not fp32, contiguous, here);
             # the entries outlive the replay (the request holds them; later frees are stream-ordered after it)
             keep, addr = [], []
+            dev = buf["init"].device
             for p in parts:
                 for t in (p.T.t, p.S):
-                    if not (t.dtype == torch.float32 and t.is_contiguous() and t.device == buf["tab"].device):
-                        t = t.to(buf["tab"].device, torch.float32).contiguous()
+                    if not (t.dtype == torch.float32 and t.is_contiguous() and t.device == dev):
+                        t = t.to(dev, torch.float32).contiguous()
                         keep.append(t)
                     addr.append(t.data_ptr())
             buf["keep"] = keep
-            buf["tab"][:e].copy_(torch.tensor(addr, dtype=torch.long).view(e, 2), non_blocking=True)
+            addr = torch.tensor(addr, dtype=torch.long).view(e, 2)
+            h, k, v = self.state_shape
+            order = low.tables["order"].long()
+            is_run = order >= e
+            off = (order - e).clamp(min=0) * (h * k * (v + k) * 4)      # byte offset of run i's [S | T]
+            ent = order.clamp(max=e - 1)
+            rows = buf["steps_host"]
+            rows[:, 0] = torch.where(is_run, off, addr[ent, 0])
+            rows[:, 1] = torch.where(is_run, off, addr[ent, 1])
+            rows[:, 2] = is_run
+            rows[:, 3] = order
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
@@ -184,7 +198,7 @@ class LinearMixer(nn.Module):
         kernel call, the chain of maps in one scan (storage order through `order`), each run's outputs
         corrected by its initial state. Equal to `_forward_readout` up to rounding
         (tests/test_compose_graph.py)."""
-        from ..compose.scan import scan_dense, scan_dense_in_place
+        from ..compose.scan import scan_dense, scan_steps
 
         c = batch.captured
         buf = c.layers[self.layer_idx]
@@ -216,8 +230,8 @@ class LinearMixer(nn.Module):
                                  short=True, init_augmented=True)
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
         aug = aug.float().contiguous()
-        if "tab" in buf:
-            before, final = scan_dense_in_place(buf["init"], buf["tab"], e, c.cu_maps, c.order, aug)
+        if "steps" in buf:
+            before, final = scan_steps(buf["init"], buf["steps"], c.cu_maps, aug, e + sh.runs)
         else:
             before, final = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order, runs=aug)
         c.outputs[self.layer_idx] = (final[0], src[c.window])                 # final state, conv window

@@ -238,6 +238,16 @@ class ComposeBuffers:
             if w and self.conv_idx is None:
                 self.conv_idx, self.window = z(np_, w), z(w - 1)
         self.outputs: dict = {}         # layer -> what the pass leaves for the states (set by each forward)
+        # the chain step tables of the layers whose scan reads maps in place: one host and one device tensor,
+        # a row per layer, filled by each layer's compose_fill and copied in one piece
+        self.steps = None
+        users = shared.get("steps", [])
+        if users:
+            host = torch.zeros(len(users), e + r, 4, dtype=torch.long)
+            dev = torch.zeros(len(users), e + r, 4, dtype=torch.long, device=device)
+            for i, buf in enumerate(users):
+                buf["steps_host"], buf["steps"] = host[i], dev[i]
+            self.steps = (host, dev)
 
     def batch(self) -> ForwardBatch:
         return ForwardBatch(self.ids, self.positions, [], self.logits_index, captured=self)
@@ -247,6 +257,8 @@ class ComposeBuffers:
             getattr(self, name).copy_(t, non_blocking=True)
         for l, m in self.mixers.items():
             m.compose_fill(self.layers[l], low, l)
+        if self.steps is not None:
+            self.steps[1].copy_(self.steps[0], non_blocking=True)
 
 
 class GraphCompose:

@@ -4,6 +4,8 @@ request's token sequence is their concatenation, for every mode and baseline ali
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,10 +35,14 @@ class TokenizedPrompt:
 
 
 def tokens_digest(ids: Sequence[int]) -> str:
+    """sha256 of the length (8 bytes) and every id as 4 little-endian bytes, hashed in one update (a
+    call per id cost ~1 ms per 1,600-token segment: 20 segments were ~20 ms of a warm request)."""
     h = hashlib.sha256()
     h.update(len(ids).to_bytes(8, "little"))
-    for t in ids:
-        h.update(int(t).to_bytes(4, "little"))
+    a = array("I", ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    h.update(a.tobytes())
     return h.hexdigest()
 
 
@@ -55,11 +61,15 @@ def tokenize_prompt(prompt: Prompt, tokenizer, *, vocab_size: int, max_len: int,
             return tuple(tokenizer.encode(x))
         if isinstance(x, (list, tuple)):
             ids = tuple(x)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise InvalidRequestError(f"{what} token ids must be integers, got {type(t).__name__}")
-                if not 0 <= t < vocab_size:
-                    raise InvalidRequestError(f"{what} token id {t} is outside the vocabulary [0, {vocab_size})")
+            if not ids:
+                return ids
+            # the common case in C (types, then the range by min / max); the loop only names what is wrong
+            if not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= vocab_size:
+                for t in ids:
+                    if isinstance(t, bool) or not isinstance(t, int):
+                        raise InvalidRequestError(f"{what} token ids must be integers, got {type(t).__name__}")
+                    if not 0 <= t < vocab_size:
+                        raise InvalidRequestError(f"{what} token id {t} is outside the vocabulary [0, {vocab_size})")
             return ids
         raise InvalidRequestError(f"{what} must be a string or a list of token ids, got {type(x).__name__}")
 
