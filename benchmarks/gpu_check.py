@@ -169,9 +169,12 @@ def check_ops(dev):
     row("Triton split-K position attention, sorted keys (prefix walk) vs reference", rel(a2, a0), 2e-2)
     times["triton split-K, sorted keys (the compose pass)"] = bench(
         lambda: triton_attention.position_attention(qq, kb, vbb, qp, kp, scale=d ** -0.5, sorted_keys=True))
-    for bm, w, st in ((64, 8, 2), (128, 8, 3), (64, 4, 3)):
-        times[f"triton sorted bm={bm} warps={w} stages={st}"] = bench(lambda: triton_attention.position_attention(
-            qq, kb, vbb, qp, kp, scale=d ** -0.5, sorted_keys=True, block_m=bm, warps=w, stages=st))
+    for bm, w, st in ((64, 8, 2), (64, 4, 3), (128, 8, 3)):
+        try:                                    # (128, 8, 3) needs 257 KB of shared memory: over the H200's 227 KB
+            times[f"triton sorted bm={bm} warps={w} stages={st}"] = bench(lambda: triton_attention.position_attention(
+                qq, kb, vbb, qp, kp, scale=d ** -0.5, sorted_keys=True, block_m=bm, warps=w, stages=st))
+        except Exception as e:
+            times[f"triton sorted bm={bm} warps={w} stages={st}"] = repr(e)[:80]
     times["triton split-K"] = bench(lambda: triton_attention.position_attention(qq, kb, vbb, qp, kp, scale=d ** -0.5))
     for bm, bn, w, st in ((64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 3)):
         try:
