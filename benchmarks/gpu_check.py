@@ -190,6 +190,36 @@ def check_ops(dev):
     for k_, v_ in times.items():
         print(f"   compose attention 256 q x {nk} keys x 16 heads, {k_}: {v_ if isinstance(v_, str) else f'{v_:.3f} ms'}")
     ATTN_TIMES.update(times)
+    # the compose pass's short runs from [0 | I]: the Triton summary kernel against fla's fused recurrent
+    # kernel over a stored [0 | I] (run 14: 0.19 ms per layer), 20 seams of 8 + 4 x 16 + 2 pad runs of 16
+    from hypic.ops import triton_summary
+
+    lens = [8] * 20 + [16] * 6
+    q, k, v, gate, beta, cu, _ = gdn_inputs(lens, dev=dev, seed=5)
+    cu = cu.to(dev)
+    want = ref.recurrent_gated_delta_summary(q.float(), k.float(), v.float(), gate, beta.float(), cu_seqlens=cu,
+                                             use_qk_l2norm_in_kernel=True)
+    got = triton_summary.summary(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)
+    for name, a, b in zip(("outputs", "readout u", "[S | T]"), got, want):
+        row(f"Triton run summary from [0 | I] vs reference: {name}", rel(a, b), 2e-2)
+    summ = fast._triton_summary
+    stimes = {"triton summary": bench(lambda: triton_summary.summary(q, k, v, gate, beta, cu,
+                                                                     use_qk_l2norm_in_kernel=True))}
+    for bv, w in ((32, 4), (64, 8), (128, 8)):
+        try:
+            stimes[f"triton summary bv={bv} warps={w}"] = bench(lambda: triton_summary.summary(
+                q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, block_v=bv, warps=w))
+        except Exception as e:
+            stimes[f"triton summary bv={bv} warps={w}"] = repr(e)[:80]
+    fast._triton_summary = lambda: None                  # fla's fused recurrent over a stored [0 | I]
+    try:
+        stimes["fla fused recurrent from a stored [0 | I]"] = bench(lambda: fast.recurrent_gated_delta_summary(
+            q, k, v, gate, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True))
+    finally:
+        fast._triton_summary = summ
+    for k_, v_ in stimes.items():
+        print(f"   run summaries, 26 runs x 32 heads: {k_}: {v_ if isinstance(v_, str) else f'{v_:.3f} ms'}")
+    ATTN_TIMES.update({f"summary: {k_}": v_ for k_, v_ in stimes.items()})
     # MoE
     n, hd, inter, e, topk = 512, 2048, 512, 256, 8
     xm = torch.randn(n, hd, device=dev, generator=gg).bfloat16()

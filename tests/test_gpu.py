@@ -101,6 +101,28 @@ def test_triton_position_attention_matches_reference():
 
 
 @cuda
+def test_triton_summary_matches_reference():
+    """Runs from [0 | I]: the Triton kernel against the fp32 reference on bf16 inputs (the fla bound)."""
+    pytest.importorskip("triton")
+    from hypic.ops.triton_summary import summary
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lens = [8] * 20 + [16] * 4 + [16, 16]
+    n, h, hv, dk, dv = sum(lens), 16, 32, 128, 128
+    q = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, n, hv, dv, device="cuda", generator=g).bfloat16()
+    gate = torch.empty(1, n, hv, device="cuda").uniform_(0.9, 0.999, generator=g).log()
+    beta = torch.rand(1, n, hv, device="cuda", generator=g).bfloat16()
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
+    want = ref.recurrent_gated_delta_summary(q.float(), k.float(), v.float(), gate, beta.float(), cu_seqlens=cu,
+                                             use_qk_l2norm_in_kernel=True)
+    got = summary(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)
+    for a, b in zip(got, want):
+        assert rel(a, b) < 2e-2
+
+
+@cuda
 def test_engine_bf16_cuda_matches_cpu_reference():
     """The same weights in fp32 on the CPU (reference ops) and bf16 on CUDA (fast ops); the bound is
     twice the CPU reference's own error in bf16 on this model (gpu_check.py explains why)."""
@@ -216,8 +238,8 @@ def test_pic_training_step_on_cuda_matches_cpu():
 
 def test_triton_scan_in_triton_interpreter():
     """Where triton is installed but there is no GPU: the scan kernel's forms (stacked maps, slot order,
-    runs read in place, cached maps through an address table, the compose pass's two chains), the
-    split-K position attention and the gathered conv run in Triton's CPU interpreter against the fp64 references, and a
+    runs read in place, the compose pass's step table and two chains), the split-K position attention,
+    the zero-start summary of short runs and the gathered conv run in Triton's CPU interpreter against the fp64 references, and a
     whole compose pass over the address table equals the planned walk (a subprocess: the interpreter
     is chosen when triton is imported)."""
     import importlib.util
@@ -278,6 +300,18 @@ for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):
         o3 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, block_n=16,
                                                  splits=splits)
         assert rel(o3, o2) < 1e-6, (nq, splits)
+from hypic.ops.triton_summary import summary
+from hypic.ops.reference import recurrent_gated_delta_summary
+lens = [3, 8, 16, 1]
+n, h, hv, dk, dv = sum(lens), 2, 4, 32, 16
+qkv = torch.randn(n, 2 * h * dk + hv * dv)               # q, k, v as views of one conv output (row strides)
+q, k, v = torch.split(qkv, [h * dk, h * dk, hv * dv], -1)
+q, k, v = q.reshape(1, n, h, dk), k.reshape(1, n, h, dk), v.reshape(1, n, hv, dv)
+g, beta, cu = -torch.rand(1, n, hv) * 0.2, torch.rand(1, n, hv), torch.tensor([0] + lens).cumsum(0)
+want = recurrent_gated_delta_summary(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+for bv in (16, 64):
+    got = summary(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True, block_v=bv)
+    assert all(rel(a, b.double()) < 1e-6 for a, b in zip(got, want)), bv
 from hypic.ops.triton_conv import gathered_conv
 src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
 w, b = torch.randn(300, 4), torch.randn(300)

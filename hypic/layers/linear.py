@@ -128,12 +128,8 @@ class LinearMixer(nn.Module):
 
         h, k, v = self.state_shape
         wm1 = self.conv_width - 1
-        key = ("zero start, augmented", h, k, v)          # [0 | I] per run: read-only, one for all layers
-        if key not in shared:
-            shared[key] = torch.cat([torch.zeros(shape.runs, h, k, v, device=device),
-                                     torch.eye(k, device=device).expand(shape.runs, h, k, k)], dim=-1)
         e = shape.entries
-        buf = dict(zero_aug=shared[key], init=torch.zeros(2, h, k, v, device=device),
+        buf = dict(init=torch.zeros(2, h, k, v, device=device),
                    src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
         if kernel_ready(device):
             # the chain's step table [E + R, 4] (runtime/compose_graph.py gives every layer a row of one host
@@ -226,7 +222,7 @@ class LinearMixer(nn.Module):
             if bias is not None:
                 y = y + bias.float()
             conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
-        o0, u, aug = self.kernel(f, conv_out, slice(0, sh.tokens), buf["zero_aug"], c.cu, True, readout=True,
+        o0, u, aug = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu, True, readout=True,
                                  short=True, init_augmented=True)
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
         aug = aug.float().contiguous()
@@ -656,28 +652,22 @@ def _phased_ok(batch, long_chains: bool = False) -> bool:
     return applies or (long_chains and many)
 
 
-def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, readout: bool = False, init_augmented: bool = False,
-                         **kw):
+def dense_summary_kernel(fn, q, k, v, init, cu, summarize: bool, readout: bool = False, **kw):
     """Run a delta-rule kernel; with `summarize`, through the appended-identity trick (dense T).
 
     readout (with summarize, from zero initial states): also return u_t = X_t^T q_t, the outputs of the
     appended columns (X_t: the transition from the run's start to t). A run started from S0 instead
     outputs o_t = o_t(0) + S0^T u_t, since S_t = X_t S0 + S_t(0): one kernel call gives every run's
     summary and, once its true initial state is known, its outputs (LinearMixer._forward_readout).
-    init_augmented (with summarize and readout): init is already [S0 | I] [R, H, K, V + K] (a caller's
-    constant buffer), and the final states come back augmented, [S | T] [R, H, K, V + K], as the kernel wrote them.
-    Returns (o, final, transitions) or, with readout, (o, u, final, transitions) or (o, u, augmented final)."""
+    (The compose pass's runs, all from [0 | I], take the backend's `recurrent_gated_delta_summary`.)
+    Returns (o, final, transitions) or, with readout, (o, u, final, transitions)."""
     from ..compose.transition import augment, split_augmented
 
     dv, dk = v.shape[-1], k.shape[-1]
     init_in = init
-    if summarize and init_augmented:
-        v = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], dim=-1)
-    elif summarize:
+    if summarize:
         v, init_in = augment(v, init, dk)
     o, final = fn(q=q[None], k=k[None], v=v[None], initial_state=init_in, output_final_state=True, cu_seqlens=cu, **kw)
-    if readout and init_augmented:
-        return o[0, ..., :dv], o[0, ..., dv:], final
     if readout:                                 # views: the readout walk clones what it caches
         final, ts = split_augmented(final, dv, own=False)
         return o[0, ..., :dv], o[0, ..., dv:], final, ts

@@ -60,6 +60,52 @@ def _triton_attention():
     return fn
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_summary():
+    """The zero-start summary kernel of short runs (ops/triton_summary.py), or None where triton is missing."""
+    try:
+        from .triton_summary import summary
+    except Exception:
+        return None
+    return summary
+
+
+_IDENTITY: dict = {}
+
+
+def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, use_qk_l2norm_in_kernel=False):
+    """The reference signature (ops/reference/gated_delta.py): every run from [0 | I] with [v | 0].
+    The Triton summary kernel where it runs (the identity made in registers); else fla's fused recurrent
+    kernel from a cached [0 | I] (device lengths: no host sync); else the reference."""
+    global _triton_summary
+    if triton_here(q) and _triton_summary() is not None:
+        try:
+            return _triton_summary()(q, k, v, g, beta, cu_seqlens, scale=scale,
+                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        except Exception as e:  # a GPU / Triton that cannot build it: fla's kernel from now on
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise
+            import logging
+
+            logging.getLogger("hypic.ops").warning("Triton summary kernel unavailable (%s: %s)", type(e).__name__, e)
+            _triton_summary = lambda: None  # noqa: E731
+    if q.is_cuda and _fla() is not None:
+        r = cu_seqlens.shape[0] - 1
+        hv, dv, dk = v.shape[-2], v.shape[-1], k.shape[-1]
+        key = (r, hv, dk, dv, str(q.device))
+        init = _IDENTITY.get(key)
+        if init is None:                          # read-only, shared by every layer and call of this shape
+            if len(_IDENTITY) > 8:
+                _IDENTITY.clear()
+            init = _IDENTITY[key] = torch.cat([torch.zeros(r, hv, dk, dv, device=q.device),
+                                               torch.eye(dk, device=q.device).expand(r, hv, dk, dk)], dim=-1)
+        va = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], dim=-1)
+        o, final = _gated_delta(1, q, k, va, g, beta, scale, init, True, cu_seqlens, use_qk_l2norm_in_kernel)
+        return o[0, ..., :dv], o[0, ..., dv:], final
+    return ref.recurrent_gated_delta_summary(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
+                                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
 def _disable_triton_attention(e: Exception) -> None:
     import logging
 

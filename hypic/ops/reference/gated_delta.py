@@ -93,6 +93,20 @@ def recurrent_gated_delta_rule(
     return o.to(dtype), (s if output_final_state else None)
 
 
+def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, use_qk_l2norm_in_kernel=False):
+    """Every run of a varlen batch from zero, with its transition: K value columns appended ([v | 0]),
+    the state started at [0 | I]. Returns (o [N, HV, V], u [N, HV, K] the appended columns' outputs,
+    in v's dtype; final [R, HV, K, V + K] fp32 = [S | T] per run)."""
+    r = cu_seqlens.shape[0] - 1
+    hv, dv, dk = v.shape[-2], v.shape[-1], k.shape[-1]
+    init = torch.cat([torch.zeros(r, hv, dk, dv, device=v.device),
+                      torch.eye(dk, device=v.device).expand(r, hv, dk, dk)], dim=-1)
+    va = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], dim=-1)
+    o, final = recurrent_gated_delta_rule(q, k, va, g, beta, scale=scale, initial_state=init, output_final_state=True,
+                                          cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o[0, ..., :dv], o[0, ..., dv:], final
+
+
 def chunk_gated_delta_rule(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64,
