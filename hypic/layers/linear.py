@@ -167,7 +167,7 @@ class LinearMixer(nn.Module):
                         t = t.to(dev, torch.float32).contiguous()
                         keep.append(t)
                     addr.append(t.data_ptr())
-            buf["keep"] = keep
+            buf["keep"], buf["parts"] = keep, parts
             addr = torch.tensor(addr, dtype=torch.long).view(e, 2)
             h, k, v = self.state_shape
             order = low.tables["order"].long()
@@ -226,8 +226,20 @@ class LinearMixer(nn.Module):
                                  short=True, init_augmented=True)
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
         aug = aug.float().contiguous()
-        if "steps" in buf:
-            before, final = scan_steps(buf["init"], buf["steps"], c.cu_maps, aug, e + sh.runs)
+        scanned = None
+        if "steps" in buf and not _STEPS_FAILED:
+            try:
+                scanned = scan_steps(buf["init"], buf["steps"], c.cu_maps, aug, e + sh.runs)
+            except Exception as err:  # a Triton that cannot build it: the maps stacked, from now on (eager)
+                if aug.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise
+                _steps_failed(err)
+        if scanned is not None:
+            before, final = scanned
+        elif "steps" in buf:
+            T = torch.stack([p.T.t.float() for p in buf["parts"]])
+            S = torch.stack([p.S.float() for p in buf["parts"]])
+            before, final = scan_dense(buf["init"], T, S, c.cu_maps, order=c.order, runs=aug)
         else:
             before, final = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order, runs=aug)
         c.outputs[self.layer_idx] = (final[0], src[c.window])                 # final state, conv window
@@ -560,6 +572,16 @@ class LinearMixer(nn.Module):
 
 
 _CONV = None
+_STEPS_FAILED = False
+
+
+def _steps_failed(e: Exception) -> None:
+    import logging
+
+    global _STEPS_FAILED
+    logging.getLogger("hypic.layers").warning("Triton step-table scan unavailable (%s: %s); stacking the maps",
+                                              type(e).__name__, e)
+    _STEPS_FAILED = True
 
 
 def _gathered_conv():
