@@ -179,6 +179,10 @@ class LinearMixer(nn.Module):
             rows[:, 1] = torch.where(is_run, off, addr[ent, 1])
             rows[:, 2] = is_run
             rows[:, 3] = order
+            cu = low.tables["cu"]                                         # each run's tokens (for the correction)
+            ri = (order - e).clamp(min=0)
+            rows[:, 4] = torch.where(is_run, cu[ri], 0)
+            rows[:, 5] = torch.where(is_run, cu[ri + 1] - cu[ri], 0)
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
@@ -226,22 +230,33 @@ class LinearMixer(nn.Module):
                                  short=True, init_augmented=True)
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
         aug = aug.float().contiguous()
-        scanned = None
+        final = None
         if "steps" in buf and not _STEPS_FAILED:
+            # the scan corrects the runs' outputs in place as it reaches each run (its initial state in
+            # registers): o0 and u are the two column ranges of the summary's [N, H, V + K] outputs
+            dv = o0.shape[-1]
+            fused = (u.data_ptr() == o0.data_ptr() + dv * o0.element_size() and u.stride() == o0.stride()
+                     and o0.stride(1) == dv + u.shape[-1])
+            full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1)) \
+                if fused else None
             try:
-                scanned = scan_steps(buf["init"], buf["steps"], c.cu_maps, aug, e + sh.runs)
+                before, final = scan_steps(buf["init"], buf["steps"], c.cu_maps, aug, e + sh.runs, outputs=full,
+                                           max_run=sh.lmax)
             except Exception as err:  # a Triton that cannot build it: the maps stacked, from now on (eager)
                 if aug.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise
                 _steps_failed(err)
-        if scanned is not None:
-            before, final = scanned
-        elif "steps" in buf:
-            T = torch.stack([p.T.t.float() for p in buf["parts"]])
-            S = torch.stack([p.S.float() for p in buf["parts"]])
+            else:
+                if fused:
+                    c.outputs[self.layer_idx] = (final[0], src[c.window])
+                    return o0
+        if final is None:
+            if "steps" in buf:
+                T = torch.stack([p.T.t.float() for p in buf["parts"]])
+                S = torch.stack([p.S.float() for p in buf["parts"]])
+            else:
+                T, S = buf["T"], buf["S"]
             before, final = scan_dense(buf["init"], T, S, c.cu_maps, order=c.order, runs=aug)
-        else:
-            before, final = scan_dense(buf["init"], buf["T"], buf["S"], c.cu_maps, order=c.order, runs=aug)
         c.outputs[self.layer_idx] = (final[0], src[c.window])                 # final state, conv window
         return _corrected(o0, u, before[e:], c.run_of, c.pos_in_run, sh.lmax)    # before[e:]: each run's start
 

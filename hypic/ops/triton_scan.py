@@ -92,17 +92,33 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
 
 
 @triton.jit
-def _chain_step(x, j, steps, a_addr, before, h, rk, rv, off_kv, m_kv, m_kk, H: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, PREC: tl.constexpr):
-    """Step j of a chain described by its row of `steps`: (T address or run offset, S address or run
-    offset, is_run, slot). A run's [S | T] lies in A (address a_addr) at that byte offset; before[slot]
-    is written for runs only."""
-    row = steps + j.to(tl.int64) * 4
+def _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr,
+                BT: tl.constexpr):
+    """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
+    S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
+    a_addr) at that byte offset. Without CORRECT, before[slot] <- x for runs; with it, the run's
+    tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's [N, H, V + K]
+    outputs, u_t its last K columns), x being the run's true initial state."""
+    row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
     is_run = tl.load(row + 2) != 0
-    slot = tl.load(row + 3)
-    tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
+    if CORRECT:
+        t0 = tl.load(row + 4)
+        nt = tl.load(row + 5)
+        tt = tl.arange(0, BT)
+        mt = (tt < nt) & is_run
+        rows = (t0 + tt).to(tl.int64) * s_ot + h * s_oh
+        u = tl.load(ou + rows[:, None] + V + rk[None, :], mask=mt[:, None] & (rk < K)[None, :], other=0.0)
+        corr = tl.dot(u.to(tl.float32), x, input_precision=PREC)                     # [BT, BV]
+        optr = ou + rows[:, None] + rv[None, :]
+        mo = mt[:, None] & (rv < V)[None, :]
+        o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
+        tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mo)
+    else:
+        slot = tl.load(row + 3)
+        tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
     base = tl.where(is_run, a_addr, 0)
     tp = (tv + base).to(tl.pointer_type(tl.float32))
     sp = (sv + base).to(tl.pointer_type(tl.float32))
@@ -117,8 +133,9 @@ def _chain_step(x, j, steps, a_addr, before, h, rk, rv, off_kv, m_kv, m_kk, H: t
 
 
 @triton.jit
-def _scan_steps_kernel(init, steps, a_addr, before, final, cu, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
+def _scan_steps_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                       W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -134,11 +151,13 @@ def _scan_steps_kernel(init, steps, a_addr, before, final, cu, H: tl.constexpr, 
     j1 = tl.load(cu + r + 1)
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            x = _chain_step(x, j, steps, a_addr, before, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC)
+            x = _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC,
+                            W, CORRECT, BT)
     else:
         j = j0
         while j < j1:
-            x = _chain_step(x, j, steps, a_addr, before, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC)
+            x = _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC,
+                            W, CORRECT, BT)
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
@@ -237,33 +256,57 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, orde
 
 
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
-               bv: int | None = None, warps: int | None = None, stages: int | None = None, tune: bool = True,
-               precision: str = "tf32x3"):
+               outputs: torch.Tensor | None = None, max_run: int = 16, bv: int | None = None,
+               warps: int | None = None, stages: int | None = None, tune: bool = True, precision: str = "tf32x3"):
     """The compose pass's form: chains described step by step, no map copied.
 
-    init [R, H, K, V] fp32; steps [M, 4] int64 (device), row j = chain step j in sequence order:
-    (T address, S address, 0, slot) for a cached map (its own fp32 contiguous T [H, K, K] and S [H, K, V]),
-    (byte offset, byte offset, 1, slot) for a run, whose [S | T] is runs[i] [H, K, V + K] (fp32,
-    contiguous; offset i * H * K * (V + K) * 4); cu [R + 1] int32 (device): chain r is steps cu[r]..cu[r+1]-1.
-    Returns (before [slots, H, K, V]: written at the runs' slots only, final [R, H, K, V])."""
+    init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
+    (T address, S address, 0, slot[, 0, 0]) for a cached map (its own fp32 contiguous T [H, K, K] and
+    S [H, K, V]), (byte offset, byte offset, 1, slot[, first token, tokens]) for a run, whose [S | T] is
+    runs[i] [H, K, V + K] (fp32, contiguous; offset i * H * K * (V + K) * 4); cu [R + 1] int32 (device):
+    chain r is steps cu[r]..cu[r+1]-1.
+    outputs (optional, needs the 6-column table): the run summaries' outputs [N, H, V + K] (o_t(0) in the first
+    V columns, u_t in the last K), corrected in place to the runs' true initial states, o_t = o_t(0) +
+    S0^T u_t, runs of at most max_run tokens; `before` is then not written.
+    Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
     r, h, k, v = init.shape
     init = init.float().contiguous()
     if not (runs.is_contiguous() and runs.dtype == torch.float32 and runs.shape[-1] == v + k):
         raise ValueError("runs must be fp32, contiguous, [N, H, K, V + K]")
+    correct = outputs is not None
+    if correct and (steps.shape[1] < 6 or outputs.shape[1:] != (h, v + k) or outputs.stride(-1) != 1
+                    or outputs.stride(1) != v + k):
+        raise ValueError("outputs must be [N, H, V + K] with rows of V + K, and steps need 6 columns")
     before = init.new_empty((slots, h, k, v))
     final = torch.empty_like(init)
     bk = max(16, triton.next_power_of_2(k))
     a_addr = runs.data_ptr()
+    ou = outputs if correct else final
+    s_ot, s_oh = (outputs.stride(0), outputs.stride(1)) if correct else (0, 0)
 
     def launch(cfg):
         b, w, st = cfg
-        _scan_steps_kernel[(r, h, triton.cdiv(v, b))](init, steps, a_addr, before, final, cu, H=h, K=k, V=v, BK=bk,
-                                                       BV=b, PREC=precision, STAGES=st, num_warps=w)
+        _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
+            init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
+            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=max(16, triton.next_power_of_2(max_run)), num_warps=w)
 
     cfg = _default(r, h, v, init.device)
     if bv is not None or warps is not None or stages is not None:
         cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
-    elif tune:
+    elif tune and not correct:
         cfg = _tuned(("steps", r, h, k, v, precision), init.device, launch, cfg, final)
+    elif tune:
+        # the corrected outputs are written in place: tuning runs the kernel several times, so it times a
+        # copy of them, then the chosen configuration runs once on the real ones
+        scratch = outputs.clone()
+
+        def trial(cfg, _o=scratch):
+            b, w, st = cfg
+            _o.copy_(outputs)
+            _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
+                init, steps, a_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
+                STAGES=st, W=steps.shape[1], CORRECT=True, BT=max(16, triton.next_power_of_2(max_run)), num_warps=w)
+
+        cfg = _tuned(("steps+correct", r, h, k, v, precision), init.device, trial, cfg, final)
     launch(cfg)
     return before, final

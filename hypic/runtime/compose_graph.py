@@ -243,8 +243,8 @@ class ComposeBuffers:
         self.steps = None
         users = shared.get("steps", [])
         if users:
-            host = torch.zeros(len(users), e + r, 4, dtype=torch.long)
-            dev = torch.zeros(len(users), e + r, 4, dtype=torch.long, device=device)
+            host = torch.zeros(len(users), e + r, 6, dtype=torch.long)
+            dev = torch.zeros(len(users), e + r, 6, dtype=torch.long, device=device)
             for i, buf in enumerate(users):
                 buf["steps_host"], buf["steps"] = host[i], dev[i]
             self.steps = (host, dev)
