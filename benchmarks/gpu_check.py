@@ -305,6 +305,20 @@ def check_scan(dev):
         one[f"step table bv={bv} warps={w} stages={st}"] = bench(
             lambda: triton_scan.scan_steps(one_init, steps, cu_t, runs, 42, bv=bv, warps=w, stages=st))
     one["step table (tuned)"] = bench(lambda: triton_scan.scan_steps(one_init, steps, cu_t, runs, 42))
+    # with the readout correction fused: 22 runs of 16 tokens, o_t += S0^T u_t written in place
+    lens = torch.full((22,), 16)
+    tok0 = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]])
+    rows6 = [r_ + ([int(tok0[r_[3] - 20]), 16] if r_[2] else [0, 0]) for r_ in rows]
+    steps6 = torch.tensor(rows6, dtype=torch.long, device=dev)
+    outs = torch.randn(22 * 16, 32, 256, device=dev, generator=g).bfloat16()
+    got = outs.clone()
+    triton_scan.scan_steps(one_init, steps6, cu_t, runs, 42, outputs=got, max_run=16)
+    run_of = torch.arange(22, device=dev).repeat_interleave(16)
+    s0 = b0[20:].float()[run_of]                                         # each token's run's initial state
+    want = outs[..., :128].double() + torch.einsum("nhk,nhkv->nhv", outs[..., 128:].double(), s0.double())
+    row("Triton scan with the readout correction fused vs fp64", rel(got[..., :128], want), 2e-2)
+    one["step table + fused correction"] = bench(lambda: triton_scan.scan_steps(
+        one_init, steps6, cu_t, runs, 42, outputs=outs.clone(), max_run=16))
     for k, v in one.items():
         print(f"   scan 1 request (42 maps) x 32 heads, {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
     print(f"   scan tuned picks: {triton_scan.TUNED}")
