@@ -300,6 +300,11 @@ for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):
         o3 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, block_n=16,
                                                  splits=splits)
         assert rel(o3, o2) < 1e-6, (nq, splits)
+        perm = torch.randperm(nk)                  # the keys in that order, read through the index
+        o4 = triton_attention.position_attention(q, k[torch.argsort(perm)], v[torch.argsort(perm)], qp2, kp2,
+                                                 scale=d ** -0.5, sorted_keys=True, block_n=16, splits=splits,
+                                                 k_index=perm)
+        assert rel(o4, o2) < 1e-6, (nq, splits)
 from hypic.ops.triton_summary import summary
 from hypic.ops.reference import recurrent_gated_delta_summary
 lens = [3, 8, 16, 1]

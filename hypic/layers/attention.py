@@ -109,8 +109,8 @@ class AttentionMixer(nn.Module):
     def _forward_captured(self, x, batch):
         """Every cached key placed at its position (one RoPE call from the positions table), the active
         tokens' keys after them; each query attends to the keys whose position is at most its own (pads
-        never visible), gathered into position order first. The keys and values stay in the pass's
-        outputs, unsorted, for the request's state."""
+        never visible), taken in position order through the permutation kperm. The keys and values stay
+        in the pass's outputs for the request's state."""
         c = batch.captured
         buf = c.layers[self.layer_idx]
         q, k_raw, v, extra = self.project(x, batch)
@@ -119,10 +119,11 @@ class AttentionMixer(nn.Module):
         kc = self.place_keys(buf["k"], c.kpos, batch, "placed")
         keys, values = torch.cat([buf["hk"], kc, k]), torch.cat([buf["hv"], buf["v"], v])
         c.outputs[self.layer_idx] = (keys, values)
-        # attended in position order: query i sees the sorted keys 0..qlast[i] (a prefix: the fast kernel
-        # walks only the blocks before it), keys no query may see last
-        ks, vs = keys.index_select(0, c.kperm), values.index_select(0, c.kperm)
-        out = self.ops.position_attention(q, ks, vs, c.qlast, c.kidx, scale=self.scale, sorted_keys=True)
+        # attended in position order (keys[kperm]): query i sees the ordered keys 0..qlast[i] (a prefix: the
+        # fast kernel walks only the blocks before it and reads the keys through kperm), keys no query may
+        # see last
+        out = self.ops.position_attention(q, keys, values, c.qlast, c.kidx, scale=self.scale, sorted_keys=True,
+                                          k_index=c.kperm)
         return self.output(x, out, extra)
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> KVBuffer:

@@ -252,22 +252,19 @@ _MASK_BYTES = 1 << 28          # the largest [queries, keys] mask one SDPA call 
 _SCORES_BYTES = 1 << 30        # few queries over many keys: explicit fp32 scores up to this size
 
 
-def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False):
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False,
+                       k_index=None):
     """SDPA behind the reference signature. contiguous: the keys are in position order, at consecutive
     positions, and end with the queries' own tokens (a fresh sequence: keys == queries; or a request
     continuing a cached prefix): causal attention aligned at the bottom right, which flash serves
     without a mask (masks of [queries, keys] for long prefix continuations cost more than the attention).
-    sorted_keys: k_pos is non-decreasing (the Triton kernel then walks each query block's visible prefix only)."""
+    sorted_keys: k_pos is non-decreasing (the Triton kernel then walks each query block's visible prefix only).
+    k_index: the keys are k[k_index], v[k_index] in that order (the Triton kernel reads them through it)."""
     nq, h, d = q.shape
-    nk, hkv, dv = v.shape
+    nk, (hkv, dv) = k_pos.shape[0], v.shape[1:]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
     rep = h // hkv
-    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                  # [1, Hkv, Nk, D]
-    if contiguous and nq == nk:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, is_causal=True, scale=scale,
-                                           enable_gqa=rep > 1)
-        return o[0].transpose(0, 1)
     few = h * nq * nk * 4 <= _SCORES_BYTES
     # (fp32 stays on the explicit path: the kernel's products are tf32 on the GPU)
     if few and triton_here(q) and (q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) \
@@ -275,11 +272,18 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped
         try:
             return _triton_attention()(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale,
-                                       sorted_keys=sorted_keys)
+                                       sorted_keys=sorted_keys, k_index=k_index)
         except Exception as e:  # a GPU / Triton that cannot build it (resources): the explicit path from now on
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise
             _disable_triton_attention(e)
+    if k_index is not None:
+        k, v = k[k_index], v[k_index]
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                  # [1, Hkv, Nk, D]
+    if contiguous and nq == nk:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, is_causal=True, scale=scale,
+                                           enable_gqa=rep > 1)
+        return o[0].transpose(0, 1)
     # GQA folded into the query axis: [Hkv, rep * Nq, D] against [Hkv, Nk, D], one mask row per query
     qf = q.view(nq, hkv, rep, d).permute(1, 2, 0, 3)                             # [Hkv, rep, Nq, D]
     if few:

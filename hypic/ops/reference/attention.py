@@ -14,9 +14,13 @@ from __future__ import annotations
 import torch
 
 
-def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False):
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False,
+                       k_index=None):
     """contiguous, sorted_keys (hints the fast backend uses; the mask here is the same either way): the keys
-    are exactly the queries' tokens, in position order; k_pos is non-decreasing."""
+    are exactly the queries' tokens, in position order; k_pos is non-decreasing. k_index: the keys are
+    k[k_index], v[k_index] (k_pos gives their positions in that order)."""
+    if k_index is not None:
+        k, v = k[k_index], v[k_index]
     h, hkv = q.shape[1], k.shape[1]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
