@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_scan import _sm_count
+
 
 @triton.jit
 def _block(qb, qp, m_i, l_i, acc, k, v, kpos, kidx, cols, n1, hk, scale, d, dv, HKV: tl.constexpr, D: tl.constexpr,
@@ -115,13 +117,6 @@ def _partial_kernel(q, k, v, qpos, kpos, kidx, acc_out, m_out, l_out, Nq, Nk, pe
     tl.store(l_out + out_rows, l_i, mask=row_ok)
 
 
-_SMS: dict = {}
-
-
-def _sm_count(device) -> int:
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return _SMS[device]
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False, k_index=None,
