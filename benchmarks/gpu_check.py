@@ -153,7 +153,6 @@ def check_ops(dev):
     a0 = ref.position_attention(qq.float(), kb.float(), vbb.float(), qp, kp, scale=d ** -0.5)
     a1 = triton_attention.position_attention(qq, kb, vbb, qp, kp, scale=d ** -0.5)
     row("Triton split-K position attention (256 q x 33k keys) vs reference", rel(a1, a0), 2e-2)
-    explicit = fast._triton_attention
     times = {}
 
     def bench(fn, n=10):
@@ -189,11 +188,11 @@ def check_ops(dev):
                 qq, kb, vbb, qp, kp, scale=d ** -0.5, block_m=bm, block_n=bn, warps=w, stages=st))
         except Exception as e:
             times[f"triton bm={bm} bn={bn} warps={w} stages={st}"] = repr(e)[:80]
-    fast._triton_attention = lambda: None                       # the explicit-score path, same call
+    fast.FAILED.add("attention")                               # the explicit-score path, same call
     try:
         times["explicit bf16 scores"] = bench(lambda: fast.position_attention(qq, kb, vbb, qp, kp, scale=d ** -0.5))
     finally:
-        fast._triton_attention = explicit
+        fast.FAILED.discard("attention")
     for k_, v_ in times.items():
         print(f"   compose attention 256 q x {nk} keys x 16 heads, {k_}: {v_ if isinstance(v_, str) else f'{v_:.3f} ms'}")
     ATTN_TIMES.update(times)
@@ -209,7 +208,6 @@ def check_ops(dev):
     got = triton_summary.summary(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)
     for name, a, b in zip(("outputs", "readout u", "[S | T]"), got, want):
         row(f"Triton run summary from [0 | I] vs reference: {name}", rel(a, b), 2e-2)
-    summ = fast._triton_summary
     stimes = {"triton summary": bench(lambda: triton_summary.summary(q, k, v, gate, beta, cu,
                                                                      use_qk_l2norm_in_kernel=True))}
     for bv, w in ((32, 4), (64, 8), (128, 8)):
@@ -218,12 +216,12 @@ def check_ops(dev):
                 q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, block_v=bv, warps=w))
         except Exception as e:
             stimes[f"triton summary bv={bv} warps={w}"] = repr(e)[:80]
-    fast._triton_summary = lambda: None                  # fla's fused recurrent over a stored [0 | I]
+    fast.FAILED.add("summary")                           # fla's fused recurrent over a stored [0 | I]
     try:
         stimes["fla fused recurrent from a stored [0 | I]"] = bench(lambda: fast.recurrent_gated_delta_summary(
             q, k, v, gate, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True))
     finally:
-        fast._triton_summary = summ
+        fast.FAILED.discard("summary")
     for k_, v_ in stimes.items():
         print(f"   run summaries, 26 runs x 32 heads: {k_}: {v_ if isinstance(v_, str) else f'{v_:.3f} ms'}")
     ATTN_TIMES.update({f"summary: {k_}": v_ for k_, v_ in stimes.items()})

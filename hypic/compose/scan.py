@@ -61,7 +61,9 @@ def scan_steps(init, steps, cu, runs, slots: int, outputs=None, max_run: int = 1
     address in a step table, runs' [S | T] in place; `before` written at the runs' slots only, or, given
     the run summaries' outputs, those corrected in place to the runs' true initial states. Needs the
     Triton kernel (`kernel_ready`)."""
-    return _steps()(init, steps, cu, runs, slots, outputs=outputs, max_run=max_run)
+    from ..ops.fast import triton_kernel
+
+    return triton_kernel("steps")(init, steps, cu, runs, slots, outputs=outputs, max_run=max_run)
 
 
 def kernel_ready(device) -> bool:
@@ -70,12 +72,6 @@ def kernel_ready(device) -> bool:
 
 
 _KERNEL = None
-
-
-def _steps():
-    from ..ops import triton_scan
-
-    return triton_scan.scan_steps
 
 
 def _kernel():

@@ -132,7 +132,7 @@ class LinearMixer(nn.Module):
         buf = dict(init=torch.zeros(2, h, k, v, device=device),
                    src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
         if kernel_ready(device):
-            # the chain's step table [E + R, 4] (runtime/compose_graph.py gives every layer a row of one host
+            # the chain's step table [E + R, 6] (runtime/compose_graph.py gives every layer a row of one host
             # and one device tensor, copied once per request)
             shared.setdefault("steps", []).append(buf)
             buf["keep"] = []
@@ -208,17 +208,15 @@ class LinearMixer(nn.Module):
         src = buf["src"]
         src[src.shape[0] - sh.tokens :] = raw
         weight, bias = self.conv_weights()
-        from ..ops.fast import triton_here
+        from ..ops.fast import kernel_failed, triton_here, triton_kernel
 
-        conv = _gathered_conv() if triton_here(src) and self.conv_activation in (None, "silu") else None
+        conv = triton_kernel("conv") if triton_here(src) and self.conv_activation in (None, "silu") else None
         conv_out = None
         if conv is not None:                # one kernel (ops/triton_conv.py)
             try:
                 conv_out = conv(src, c.conv_idx, weight, bias, self.conv_activation)
-            except Exception as e:  # a Triton that cannot build it: the PyTorch form from now on
-                if src.is_cuda and torch.cuda.is_current_stream_capturing():
-                    raise
-                _no_gathered_conv(e)
+            except Exception as e:
+                kernel_failed("conv", e)
         if conv_out is None:
             # [Np, W, C] times [W, C], summed over W: elementwise (as an einsum it became a batched GEMV, 0.11 ms
             # per layer on the H200 for ~10 us of work)
@@ -231,7 +229,7 @@ class LinearMixer(nn.Module):
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
         aug = aug.float().contiguous()
         final = None
-        if "steps" in buf and not _STEPS_FAILED:
+        if "steps" in buf and triton_kernel("steps") is not None:
             # the scan corrects the runs' outputs in place as it reaches each run (its initial state in
             # registers): o0 and u are the two column ranges of the summary's [N, H, V + K] outputs
             dv = o0.shape[-1]
@@ -242,10 +240,8 @@ class LinearMixer(nn.Module):
             try:
                 before, final = scan_steps(buf["init"], buf["steps"], c.cu_maps, aug, e + sh.runs, outputs=full,
                                            max_run=sh.lmax)
-            except Exception as err:  # a Triton that cannot build it: the maps stacked, from now on (eager)
-                if aug.is_cuda and torch.cuda.is_current_stream_capturing():
-                    raise
-                _steps_failed(err)
+            except Exception as err:  # the maps stacked from now on (eager)
+                kernel_failed("steps", err)
             else:
                 if fused:
                     c.outputs[self.layer_idx] = (final[0], src[c.window])
@@ -584,40 +580,6 @@ class LinearMixer(nn.Module):
             if run.mark:                 # cached in a prefix node: own the memory, not a view of the batch
                 run.captures[L] = LinearState(final[i].clone(), st.conv)
         return out
-
-
-_CONV = None
-_STEPS_FAILED = False
-
-
-def _steps_failed(e: Exception) -> None:
-    import logging
-
-    global _STEPS_FAILED
-    logging.getLogger("hypic.layers").warning("Triton step-table scan unavailable (%s: %s); stacking the maps",
-                                              type(e).__name__, e)
-    _STEPS_FAILED = True
-
-
-def _gathered_conv():
-    """ops/triton_conv.gathered_conv, or None where triton is missing."""
-    global _CONV
-    if _CONV is None:
-        try:
-            from ..ops.triton_conv import gathered_conv
-        except Exception:
-            _CONV = False
-        else:
-            _CONV = gathered_conv
-    return _CONV or None
-
-
-def _no_gathered_conv(e: Exception) -> None:
-    import logging
-
-    global _CONV
-    logging.getLogger("hypic.layers").warning("Triton gathered conv unavailable (%s: %s)", type(e).__name__, e)
-    _CONV = False
 
 
 def _corrected(o0, u, s0, run_of, pos, lmax: int):

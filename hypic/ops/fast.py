@@ -19,6 +19,8 @@ scripts/gpu_check.py on the GPU).
 from __future__ import annotations
 
 import functools
+import importlib
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -50,24 +52,35 @@ def _fla_conv():
     return causal_conv1d
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_attention():
-    """The position-masked split-K attention kernel, or None where triton is missing."""
-    try:
-        from .triton_attention import position_attention as fn
-    except Exception:
-        return None
-    return fn
+# this backend's own Triton kernels (module, function under hypic.ops), each with a PyTorch form beside it
+_KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": ("triton_summary", "summary"),
+            "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps")}
+FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_summary():
-    """The zero-start summary kernel of short runs (ops/triton_summary.py), or None where triton is missing."""
+def _import_kernel(name: str):
+    mod, fn = _KERNELS[name]
     try:
-        from .triton_summary import summary
-    except Exception:
+        return getattr(importlib.import_module(f"hypic.ops.{mod}"), fn)
+    except Exception:  # no triton on this machine
         return None
-    return summary
+
+
+def triton_kernel(name: str):
+    """One of this backend's Triton kernels (`_KERNELS`), or None where triton is missing or the kernel
+    could not be built here before (`kernel_failed`)."""
+    return None if name in FAILED else _import_kernel(name)
+
+
+def kernel_failed(name: str, e: Exception) -> None:
+    """A kernel that a GPU / Triton cannot build (resources, a compiler error): its PyTorch form runs from
+    now on. Inside a CUDA graph capture the error propagates (the composer then runs its buffers eagerly)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise e
+    logging.getLogger("hypic.ops").warning("Triton kernel %r unavailable (%s: %s); its PyTorch form instead", name,
+                                           type(e).__name__, e)
+    FAILED.add(name)
 
 
 _IDENTITY: dict = {}
@@ -77,18 +90,12 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     """The reference signature (ops/reference/gated_delta.py): every run from [0 | I] with [v | 0].
     The Triton summary kernel where it runs (the identity made in registers); else fla's fused recurrent
     kernel from a cached [0 | I] (device lengths: no host sync); else the reference."""
-    global _triton_summary
-    if triton_here(q) and _triton_summary() is not None:
+    kern = triton_kernel("summary") if triton_here(q) else None
+    if kern is not None:
         try:
-            return _triton_summary()(q, k, v, g, beta, cu_seqlens, scale=scale,
-                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        except Exception as e:  # a GPU / Triton that cannot build it: fla's kernel from now on
-            if q.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise
-            import logging
-
-            logging.getLogger("hypic.ops").warning("Triton summary kernel unavailable (%s: %s)", type(e).__name__, e)
-            _triton_summary = lambda: None  # noqa: E731
+            return kern(q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        except Exception as e:
+            kernel_failed("summary", e)
     if q.is_cuda and _fla() is not None:
         r = cu_seqlens.shape[0] - 1
         hv, dv, dk = v.shape[-2], v.shape[-1], k.shape[-1]
@@ -104,15 +111,6 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
         return o[0, ..., :dv], o[0, ..., dv:], final
     return ref.recurrent_gated_delta_summary(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-
-
-def _disable_triton_attention(e: Exception) -> None:
-    import logging
-
-    logging.getLogger("hypic.ops").warning("Triton position attention unavailable (%s: %s); explicit scores instead",
-                                           type(e).__name__, e)
-    _triton_attention.cache_clear()
-    globals()["_triton_attention"] = lambda: None
 
 
 def fla_available() -> bool:
@@ -267,16 +265,15 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     rep = h // hkv
     few = h * nq * nk * 4 <= _SCORES_BYTES
     # (fp32 stays on the explicit path: the kernel's products are tf32 on the GPU)
-    if few and triton_here(q) and (q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) \
-            and _triton_attention() is not None:
+    kern = triton_kernel("attention") if few and triton_here(q) and (
+        q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) else None
+    if kern is not None:
         # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped
         try:
-            return _triton_attention()(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale,
-                                       sorted_keys=sorted_keys, k_index=k_index)
-        except Exception as e:  # a GPU / Triton that cannot build it (resources): the explicit path from now on
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise
-            _disable_triton_attention(e)
+            return kern(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale, sorted_keys=sorted_keys,
+                        k_index=k_index)
+        except Exception as e:
+            kernel_failed("attention", e)
     if k_index is not None:
         k, v = k[k_index], v[k_index]
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                  # [1, Hkv, Nk, D]
