@@ -102,10 +102,10 @@ def test_lowering_tables():
     assert t["conv_idx"][3].tolist() == [11, 6, 7, 12]           # token 4: token 3, e2's 2-row tail
     assert t["window"].tolist() == [12, 13, 14]
     assert t["kpos"][:12].tolist() == list(range(2, 12)) + [13, 14]
-    assert (t["kmask"][256 + 6 :] == 1 << 62).all() and t["kmask"][256:262].tolist() == [0, 1, 12, 15, 16, 17]
+    assert (low.kmask[256 + 6 :] == 1 << 62).all() and low.kmask[256:262].tolist() == [0, 1, 12, 15, 16, 17]
     assert t["logits_index"].tolist() == [5]
     # in position order: tokens 0, 1, e1's keys 2..11, token 12, e2's 13, 14, tokens 15..17; pads last
-    sorted_pos = t["kmask"][t["kperm"]]
+    sorted_pos = low.kmask[t["kperm"]]
     assert sorted_pos[:18].tolist() == list(range(18)) and (sorted_pos[18:] == 1 << 62).all()
     assert t["qlast"][:6].tolist() == [0, 1, 12, 15, 16, 17] and (t["qlast"][6:] == 0).all()
 

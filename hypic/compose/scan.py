@@ -67,8 +67,10 @@ def scan_steps(init, steps, cu, runs, slots: int, outputs=None, max_run: int = 1
 
 
 def kernel_ready(device) -> bool:
-    """The Triton scan runs on this device (CUDA with triton importable)."""
-    return torch.device(device).type == "cuda" and _kernel() is not None
+    """The step-table scan runs on this device (CUDA, triton importable, the kernel not failed to build)."""
+    from ..ops.fast import triton_kernel
+
+    return torch.device(device).type == "cuda" and triton_kernel("steps") is not None
 
 
 _KERNEL = None

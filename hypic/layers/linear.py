@@ -169,20 +169,11 @@ class LinearMixer(nn.Module):
                     addr.append(t.data_ptr())
             buf["keep"], buf["parts"] = keep, parts
             addr = torch.tensor(addr, dtype=torch.long).view(e, 2)
-            h, k, v = self.state_shape
-            order = low.tables["order"].long()
-            is_run = order >= e
-            off = (order - e).clamp(min=0) * (h * k * (v + k) * 4)      # byte offset of run i's [S | T]
-            ent = order.clamp(max=e - 1)
             rows = buf["steps_host"]
+            is_run, off, ent, rest = self._step_columns(low)
             rows[:, 0] = torch.where(is_run, off, addr[ent, 0])
             rows[:, 1] = torch.where(is_run, off, addr[ent, 1])
-            rows[:, 2] = is_run
-            rows[:, 3] = order
-            cu = low.tables["cu"]                                         # each run's tokens (for the correction)
-            ri = (order - e).clamp(min=0)
-            rows[:, 4] = torch.where(is_run, cu[ri], 0)
-            rows[:, 5] = torch.where(is_run, cu[ri + 1] - cu[ri], 0)
+            rows[:, 2:] = rest
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
@@ -192,13 +183,31 @@ class LinearMixer(nn.Module):
                 a = low.tail_rows[0][0]
                 torch.cat(tails, out=buf["src"][a : a + sum(t.shape[0] for t in tails)])
 
+    def _step_columns(self, low):
+        """The step table's columns every layer of this state shape shares, made once per request: is_run,
+        each run's byte offset in the runs' [S | T], each cached map's entry index, and (is_run, slot,
+        first token, tokens)."""
+        key = ("steps", self.state_shape)
+        hit = low.memo.get(key)
+        if hit is None:
+            h, k, v = self.state_shape
+            e = len(low.entries)
+            order = low.tables["order"].long()
+            is_run = order >= e
+            ri = (order - e).clamp(min=0)                                  # run index (0 for cached maps)
+            cu = low.tables["cu"]                                         # each run's tokens (for the correction)
+            rest = torch.stack([is_run.long(), order, torch.where(is_run, cu[ri], 0),
+                                torch.where(is_run, cu[ri + 1] - cu[ri], 0)], dim=1)
+            hit = low.memo[key] = (is_run, ri * (h * k * (v + k) * 4), order.clamp(max=e - 1), rest)
+        return hit
+
     def _forward_captured(self, x, f, batch):
         """The compose pass of one lowered request over fixed buffers (no host sync, fixed shapes): the
         conv as a gather over the source rows, every run summarized from zero with its readout in one
         kernel call, the chain of maps in one scan (storage order through `order`), each run's outputs
         corrected by its initial state. Equal to `_forward_readout` up to rounding
         (tests/test_compose_graph.py)."""
-        from ..compose.scan import scan_dense, scan_steps
+        from ..compose.scan import scan_dense, scan_steps, stack_dense
 
         c = batch.captured
         buf = c.layers[self.layer_idx]
@@ -248,8 +257,7 @@ class LinearMixer(nn.Module):
                     return o0
         if final is None:
             if "steps" in buf:
-                T = torch.stack([p.T.t.float() for p in buf["parts"]])
-                S = torch.stack([p.S.float() for p in buf["parts"]])
+                T, S = stack_dense([(p.T, p.S) for p in buf["parts"]])
             else:
                 T, S = buf["T"], buf["S"]
             before, final = scan_dense(buf["init"], T, S, c.cu_maps, order=c.order, runs=aug)

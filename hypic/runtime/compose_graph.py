@@ -24,7 +24,8 @@ once, on the host, to device tables, and the forward becomes a pure function of 
                keys in position order, and per query the index of the last sorted key it sees (qlast)
 
 Before a replay the request's tables are copied in (one host-to-device copy each) and its cached
-tensors stacked into the fixed buffers (one op per layer and kind, each mixer's `compose_fill`);
+tensors put in reach of the pass (each mixer's `compose_fill`: keys and values stacked into the fixed
+buffers; linear maps named by address in a step table where the Triton scan runs, else stacked);
 after it, the request's states are cut out of the pass's outputs (`compose_state`). Buckets (`ComposeShape`) keep
 the number of distinct graphs small: tokens by 64, cached keys by eighths of a power of two; the
 numbers of runs and entries are exact. Only what the lowering covers is taken: one request, exact
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +89,8 @@ class Lowered:
     tables: dict                # name -> CPU tensor (copied into the fixed buffer of that name)
     entries: list               # the Apply pieces' entries, storage order
     tail_rows: list             # rows each entry's tail occupies in the conv source (per linear layer: same)
+    kmask: torch.Tensor         # the mask position of every key (host only: kperm and qlast are made from it)
+    memo: dict = field(default_factory=dict)   # what the layers of one kind derive alike from the tables
 
 
 def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, held: int) -> Lowered | None:
@@ -166,11 +169,11 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     tok_ids[:n] = torch.tensor(ids[work.start:work.end])
     tables = dict(ids=tok_ids, positions=tok_pos, logits_index=torch.tensor([n - 1]), cu=cu,
                   cu_maps=torch.tensor([0, main, e + r], dtype=torch.int32), order=torch.tensor(order, dtype=torch.int32),
-                  run_of=run_of, pos_in_run=pos_in_run, kpos=kpos, kmask=kmask,
+                  run_of=run_of, pos_in_run=pos_in_run, kpos=kpos,
                   kperm=kperm, qlast=qlast)
     if conv_width:
         tables.update(conv_idx=conv_idx, window=window)
-    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows)
+    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, kmask)
 
 
 def _cut(pieces: list, k: int) -> list:
@@ -227,7 +230,7 @@ class ComposeBuffers:
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
         self.cu_maps, self.order = z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
-        self.kpos, self.kmask, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(nkeys), z(np_)
+        self.kpos, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(np_)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
         self.conv_idx, self.window = None, None
         self.layers = {}
