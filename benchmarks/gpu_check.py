@@ -216,6 +216,18 @@ def check_ops(dev):
                 q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, block_v=bv, warps=w))
         except Exception as e:
             stimes[f"triton summary bv={bv} warps={w}"] = repr(e)[:80]
+    # the chunked form (one small-matmul chunk per run): what the compose pass takes (runs <= 16 tokens)
+    got = triton_summary.chunk_summary(q, k, v, gate, beta, cu, 16, use_qk_l2norm_in_kernel=True)
+    for name, a, b in zip(("outputs", "readout u", "[S | T]"), got, want):
+        row(f"Triton chunked run summary vs reference: {name}", rel(a, b), 2e-2)
+    for bv, w, prec in ((64, 4, "tf32x3"), (32, 4, "tf32x3"), (64, 8, "tf32x3"), (128, 8, "tf32x3"), (64, 4, "ieee"),
+                        (64, 4, "tf32")):
+        name = f"triton chunked bv={bv} warps={w} {prec}"
+        try:
+            stimes[name] = bench(lambda: triton_summary.chunk_summary(
+                q, k, v, gate, beta, cu, 16, use_qk_l2norm_in_kernel=True, block_v=bv, warps=w, precision=prec))
+        except Exception as e:
+            stimes[name] = repr(e)[:80]
     fast.FAILED.add("summary")                           # fla's fused recurrent over a stored [0 | I]
     try:
         stimes["fla fused recurrent from a stored [0 | I]"] = bench(lambda: fast.recurrent_gated_delta_summary(

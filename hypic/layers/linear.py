@@ -17,6 +17,7 @@ base walks the pieces and owns everything PIC adds, identically for every family
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -159,20 +160,21 @@ class LinearMixer(nn.Module):
         if "steps" in buf:
             # read in place: each entry's own T and S (a copy only where one is not fp32, contiguous, here);
             # the entries outlive the replay (the request holds them; later frees are stream-ordered after it)
-            keep, addr = [], []
+            # (numpy on the host: ~40 layers x a few small ops per request)
+            keep = []
+            addr = np.empty((e, 2), dtype=np.int64)
             dev = buf["init"].device
-            for p in parts:
-                for t in (p.T.t, p.S):
+            for i, p in enumerate(parts):
+                for j, t in enumerate((p.T.t, p.S)):
                     if not (t.dtype == torch.float32 and t.is_contiguous() and t.device == dev):
                         t = t.to(dev, torch.float32).contiguous()
                         keep.append(t)
-                    addr.append(t.data_ptr())
+                    addr[i, j] = t.data_ptr()
             buf["keep"], buf["parts"] = keep, parts
-            addr = torch.tensor(addr, dtype=torch.long).view(e, 2)
-            rows = buf["steps_host"]
+            rows = buf["steps_host"].numpy()
             is_run, off, ent, rest = self._step_columns(low)
-            rows[:, 0] = torch.where(is_run, off, addr[ent, 0])
-            rows[:, 1] = torch.where(is_run, off, addr[ent, 1])
+            rows[:, 0] = np.where(is_run, off, addr[ent, 0])
+            rows[:, 1] = np.where(is_run, off, addr[ent, 1])
             rows[:, 2:] = rest
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
@@ -192,13 +194,13 @@ class LinearMixer(nn.Module):
         if hit is None:
             h, k, v = self.state_shape
             e = len(low.entries)
-            order = low.tables["order"].long()
+            order = low.tables["order"].numpy().astype(np.int64)
             is_run = order >= e
-            ri = (order - e).clamp(min=0)                                  # run index (0 for cached maps)
-            cu = low.tables["cu"]                                         # each run's tokens (for the correction)
-            rest = torch.stack([is_run.long(), order, torch.where(is_run, cu[ri], 0),
-                                torch.where(is_run, cu[ri + 1] - cu[ri], 0)], dim=1)
-            hit = low.memo[key] = (is_run, ri * (h * k * (v + k) * 4), order.clamp(max=e - 1), rest)
+            ri = np.maximum(order - e, 0)                                  # run index (0 for cached maps)
+            cu = low.tables["cu"].numpy()                                 # each run's tokens (for the correction)
+            rest = np.stack([is_run.astype(np.int64), order, np.where(is_run, cu[ri], 0),
+                             np.where(is_run, cu[ri + 1] - cu[ri], 0)], axis=1)
+            hit = low.memo[key] = (is_run, ri * (h * k * (v + k) * 4), np.minimum(order, e - 1), rest)
         return hit
 
     def _forward_captured(self, x, f, batch):
@@ -234,16 +236,18 @@ class LinearMixer(nn.Module):
                 y = y + bias.float()
             conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
         o0, u, aug = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu, True, readout=True,
-                                 short=True, init_augmented=True)
+                                 short=True, init_augmented=True, max_len=sh.lmax)
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
         aug = aug.float().contiguous()
         final = None
         if "steps" in buf and triton_kernel("steps") is not None:
+            # FUSE_CORRECTION: the scan corrects the runs' outputs (else it writes the runs' initial states and
+            # `_corrected` applies them after it; gpu_bench times both)
             # the scan corrects the runs' outputs in place as it reaches each run (its initial state in
             # registers): o0 and u are the two column ranges of the summary's [N, H, V + K] outputs
             dv = o0.shape[-1]
-            fused = (u.data_ptr() == o0.data_ptr() + dv * o0.element_size() and u.stride() == o0.stride()
-                     and o0.stride(1) == dv + u.shape[-1])
+            fused = (FUSE_CORRECTION and u.data_ptr() == o0.data_ptr() + dv * o0.element_size()
+                     and u.stride() == o0.stride() and o0.stride(1) == dv + u.shape[-1])
             full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1)) \
                 if fused else None
             try:
@@ -633,6 +637,7 @@ def _is_view_of(t, base) -> bool:
 _SHORT_RUN = 64
 _CORRECTED_TOKENS = 4096
 LONG_CHAINS_EVERYWHERE = False     # tests: take the one-call walk for long chains on the CPU too
+FUSE_CORRECTION = True             # the compose pass's step-table scan corrects the runs' outputs itself
 
 
 def _phased_ok(batch, long_chains: bool = False) -> bool:

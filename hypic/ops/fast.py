@@ -54,6 +54,7 @@ def _fla_conv():
 
 # this backend's own Triton kernels (module, function under hypic.ops), each with a PyTorch form beside it
 _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": ("triton_summary", "summary"),
+            "chunk_summary": ("triton_summary", "chunk_summary"),
             "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
@@ -86,16 +87,26 @@ def kernel_failed(name: str, e: Exception) -> None:
 _IDENTITY: dict = {}
 
 
-def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, use_qk_l2norm_in_kernel=False):
+def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, use_qk_l2norm_in_kernel=False,
+                                  max_len=None):
     """The reference signature (ops/reference/gated_delta.py): every run from [0 | I] with [v | 0].
-    The Triton summary kernel where it runs (the identity made in registers); else fla's fused recurrent
-    kernel from a cached [0 | I] (device lengths: no host sync); else the reference."""
-    kern = triton_kernel("summary") if triton_here(q) else None
-    if kern is not None:
-        try:
-            return kern(q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        except Exception as e:
-            kernel_failed("summary", e)
+    Runs of at most max_len <= 64 tokens (the caller's bound: reading the lengths would sync): the chunked
+    Triton kernel, one small-matmul chunk per run; else the token-by-token Triton kernel (the identity
+    made in registers); else fla's fused recurrent kernel from a cached [0 | I] (device lengths: no host
+    sync); else the reference."""
+    if triton_here(q):
+        from .triton_summary import CHUNK_MAX
+        for name, kw in (("chunk_summary", {"max_len": max_len}), ("summary", {})):
+            if name == "chunk_summary" and (max_len is None or max_len > CHUNK_MAX):
+                continue
+            kern = triton_kernel(name)
+            if kern is None:
+                continue
+            try:
+                return kern(q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            **kw)
+            except Exception as e:
+                kernel_failed(name, e)
     if q.is_cuda and _fla() is not None:
         r = cu_seqlens.shape[0] - 1
         hv, dv, dk = v.shape[-2], v.shape[-1], k.shape[-1]

@@ -93,3 +93,106 @@ def summary(q, k, v, g, beta, cu_seqlens, *, scale=None, use_qk_l2norm_in_kernel
         scale, H=h, HV=hv, K=kd, V=vd, BK=max(16, triton.next_power_of_2(kd)), BV=block_v,
         L2=use_qk_l2norm_in_kernel, STAGES=1 if not q.is_cuda else 2, num_warps=warps)
     return o[..., :vd], o[..., vd:], final
+
+
+@triton.jit
+def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, s_q, s_k, s_v, scale, H: tl.constexpr, HV: tl.constexpr,
+                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
+                          SQUARINGS: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+    r = tl.program_id(0)
+    hv = tl.program_id(1)
+    cb = tl.program_id(2)
+    hk = hv // (HV // H)
+    t0 = tl.load(cu + r)
+    t1 = tl.load(cu + r + 1)
+    rl = tl.arange(0, BL)
+    rk = tl.arange(0, BK)
+    tok = (t0 + rl).to(tl.int64)
+    mt = (t0 + rl) < t1
+    mk = rk < K
+    m2 = mt[:, None] & mk[None, :]
+    Q = tl.load(q + tok[:, None] * s_q + hk * K + rk[None, :], mask=m2, other=0.0).to(tl.float32)
+    Kx = tl.load(k + tok[:, None] * s_k + hk * K + rk[None, :], mask=m2, other=0.0).to(tl.float32)
+    nq = tl.full((BL,), 1.0, tl.float32)
+    nk = tl.full((BL,), 1.0, tl.float32)
+    if L2:
+        nq = tl.rsqrt(tl.sum(Q * Q, axis=1) + 1e-6)
+        nk = tl.rsqrt(tl.sum(Kx * Kx, axis=1) + 1e-6)
+    nq = nq * scale
+    Q = Q * nq[:, None]
+    Kx = Kx * nk[:, None]
+    gt = tl.load(g + tok * HV + hv, mask=mt, other=0.0).to(tl.float32)
+    bt = tl.load(beta + tok * HV + hv, mask=mt, other=0.0).to(tl.float32)
+    G = tl.cumsum(gt, axis=0)                                  # log decay from the run's start, per token
+    GL = tl.sum(gt, axis=0)
+    lower = rl[:, None] >= rl[None, :]
+    D = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))          # exp(G_t - G_s), s <= t
+    eye = tl.where(rl[:, None] == rl[None, :], 1.0, 0.0)
+    KK = tl.dot(Kx, tl.trans(Kx), input_precision=PREC)
+    P = tl.dot(Q, tl.trans(Kx), input_precision=PREC) * D                     # (q_t . k_s) exp(G_t - G_s)
+    # (I + A)^-1 with A strictly lower (nilpotent): (I + M)(I + M^2)(I + M^4)... with M = -A
+    M = -tl.where(rl[:, None] > rl[None, :], bt[:, None] * KK * D, 0.0)
+    Ti = eye + M
+    for _ in tl.static_range(SQUARINGS):
+        M = tl.dot(M, M, input_precision=PREC)
+        Ti = tl.dot(Ti, eye + M, input_precision=PREC)
+    # this program's columns of [v | 0] and of the identity: right-hand sides beta v (-> U) and
+    # beta exp(G) k (-> W); the K columns are those of k, l2-normalised like Kx
+    cols = cb * BV + tl.arange(0, BV)
+    is_v = cols < V
+    kc = cols - V
+    is_k = (kc >= 0) & (kc < K)
+    mv = mt[:, None] & is_v[None, :]
+    mkc = mt[:, None] & is_k[None, :]
+    Vb = tl.load(v + tok[:, None] * s_v + hv * V + cols[None, :], mask=mv, other=0.0).to(tl.float32)
+    Kb = tl.load(k + tok[:, None] * s_k + hk * K + kc[None, :], mask=mkc, other=0.0).to(tl.float32) * nk[:, None]
+    Qb = tl.load(q + tok[:, None] * s_q + hk * K + kc[None, :], mask=mkc, other=0.0).to(tl.float32) * nq[:, None]
+    eG = tl.exp(G)
+    rhs = tl.where(is_v[None, :], Vb, Kb * eG[:, None]) * bt[:, None]
+    sol = tl.dot(Ti, rhs, input_precision=PREC)                 # U (value columns) or W (identity columns)
+    kdec = Kx * tl.exp(GL - G)[:, None]
+    fin = tl.dot(tl.trans(kdec), sol, input_precision=PREC)    # [K, BV]
+    ident = tl.where(rk[:, None] == kc[None, :], tl.exp(GL), 0.0)
+    fin = tl.where(is_v[None, :], fin, ident - fin)
+    out = tl.dot(P, sol, input_precision=PREC)
+    out = tl.where(is_v[None, :], out, Qb * eG[:, None] - out)
+    mc = is_v | is_k
+    tl.store(o + (tok[:, None] * HV + hv) * (V + K) + cols[None, :], out.to(o.dtype.element_ty),
+             mask=mt[:, None] & mc[None, :])
+    off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * (V + K) + cols[None, :]
+    tl.store(final + off, fin, mask=mk[:, None] & mc[None, :])
+
+
+CHUNK_MAX = 64      # longest run the chunked kernel takes (one chunk per run)
+
+
+def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use_qk_l2norm_in_kernel=False,
+                  block_v: int = 64, warps: int = 4, precision: str = "tf32x3"):
+    """`summary` for runs of at most max_len (<= CHUNK_MAX) tokens in the chunked (WY) form, one chunk
+    per run: with G_t the run's cumulative log decay, A[t, s] = beta_t exp(G_t - G_s) k_t.k_s (s < t),
+
+        U = (I + A)^-1 beta V,    W = (I + A)^-1 beta exp(G) K
+        S = sum_t exp(G_L - G_t) k_t U_t^T,    T = exp(G_L) I - sum_t exp(G_L - G_t) k_t W_t^T
+        o_t = sum_{s<=t} exp(G_t - G_s) (q_t.k_s) U_s,    u_t = exp(G_t) q_t - sum_{s<=t} (same) W_s
+
+    (ops/reference/gated_delta.py `chunk_gated_delta_rule` with S_0 = [0 | I]). A program takes one
+    (run, value head, block of the V + K columns); the products are small tensor-core matmuls, with
+    no step-by-step loop over the run's tokens. Same returns as `summary`."""
+    _, n, h, kd = q.shape
+    hv, vd = v.shape[-2], v.shape[-1]
+    if max_len > CHUNK_MAX:
+        raise ValueError(f"runs of up to {max_len} tokens; the chunked summary takes <= {CHUNK_MAX}")
+    q, k, v = q[0], k[0], v[0]
+    for x in (q, k, v):
+        if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+            raise ValueError("q, k, v need unit strides inside a token")
+    r = cu_seqlens.shape[0] - 1
+    scale = kd ** -0.5 if scale is None else scale
+    bl = max(16, triton.next_power_of_2(max_len))
+    o = v.new_empty((n, hv, vd + kd))
+    final = torch.empty(r, hv, kd, vd + kd, dtype=torch.float32, device=v.device)
+    _chunk_summary_kernel[(r, hv, triton.cdiv(vd + kd, block_v))](
+        q, k, v, g[0].contiguous(), beta[0].contiguous(), cu_seqlens, o, final, q.stride(0), k.stride(0),
+        v.stride(0), scale, H=h, HV=hv, K=kd, V=vd, BK=max(16, triton.next_power_of_2(kd)), BV=block_v, BL=bl,
+        SQUARINGS=bl.bit_length() - 2, L2=use_qk_l2norm_in_kernel, PREC=precision, num_warps=warps)
+    return o[..., :vd], o[..., vd:], final

@@ -42,6 +42,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .batch import Apply, ForwardBatch, Run, SeqWork
@@ -114,9 +115,13 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     kc = sum(p.entry.cached_tokens for p in applies)
     shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax)
 
-    cu = torch.tensor([0] + lens).cumsum(0)
-    run_of = torch.repeat_interleave(torch.arange(r), torch.tensor(lens))
-    pos_in_run = torch.arange(np_) - cu[:-1][run_of]
+    # host tables in numpy (single-threaded: small torch CPU ops cost a thread-pool wake-up each), handed
+    # over as tensors without a copy
+    lens_a = np.asarray(lens, dtype=np.int64)
+    cu = np.zeros(r + 1, dtype=np.int64)
+    np.cumsum(lens_a, out=cu[1:])
+    run_of = np.repeat(np.arange(r, dtype=np.int64), lens_a)
+    pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
     # the chain in sequence order (storage: entries 0..E-1, runs E..E+R-1), the pad runs last
     order, ei, ri = [], 0, 0
     for p in pieces:
@@ -145,35 +150,52 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
             continue
         at.extend(range(len(stream), len(stream) + p.n))
         stream.extend(range(active0 + p.start, active0 + p.end))
-    stream_t = torch.tensor(stream, dtype=torch.long)
-    conv_idx = torch.empty(np_, max(conv_width, 1), dtype=torch.long)
+    stream_a = np.asarray(stream, dtype=np.int64)
+    conv_idx = np.empty((np_, max(conv_width, 1)), dtype=np.int64)
     if conv_width:
-        conv_idx[:n] = stream_t[torch.tensor(at)[:, None] + torch.arange(-wm1, 1)[None, :]]
-        conv_idx[n:] = torch.arange(active0 + n, active0 + np_)[:, None]   # pads: their own row (finite, unused)
-    window = stream_t[len(stream) - wm1:]
+        conv_idx[:n] = stream_a[np.asarray(at, dtype=np.int64)[:, None] + np.arange(-wm1, 1)[None, :]]
+        conv_idx[n:] = np.arange(active0 + n, active0 + np_)[:, None]   # pads: their own row (finite, unused)
+    window = stream_a[len(stream) - wm1:]
     # attention: the cached keys' positions, then the mask position of every key (pads never visible)
-    kpos = torch.zeros(shape.keys, dtype=torch.long)
-    kpos[:kc] = torch.cat([torch.arange(p.position, p.position + p.entry.cached_tokens) for p in applies])
-    kmask = torch.full((shape.held + shape.keys + np_,), _NEVER, dtype=torch.long)
-    if held:
-        kmask[:held] = _held_positions(work.state)
     p0 = shape.held
+    kpos = np.zeros(shape.keys, dtype=np.int64)
+    if kc:
+        kpos[:kc] = np.concatenate([np.arange(p.position, p.position + p.entry.cached_tokens) for p in applies])
+    kmask = np.full(shape.held + shape.keys + np_, _NEVER, dtype=np.int64)
+    if held:
+        kmask[:held] = _held_positions(work.state).numpy()
     kmask[p0 : p0 + kc] = kpos[:kc]
-    tok_pos = torch.zeros(np_, dtype=torch.long)
-    tok_pos[:n] = torch.tensor(positions[work.start:work.end])
+    tok_pos = np.zeros(np_, dtype=np.int64)
+    tok_pos[:n] = positions[work.start:work.end]
     kmask[p0 + shape.keys : p0 + shape.keys + n] = tok_pos[:n]
-    # the keys in position order (those never visible last) and, per query, the last sorted key it sees
-    kperm = torch.argsort(kmask, stable=True)
-    qlast = torch.searchsorted(kmask[kperm], tok_pos, right=True) - 1        # pads (position 0): key 0
-    tok_ids = torch.zeros(np_, dtype=torch.long)
-    tok_ids[:n] = torch.tensor(ids[work.start:work.end])
-    tables = dict(ids=tok_ids, positions=tok_pos, logits_index=torch.tensor([n - 1]), cu=cu,
+    # the keys in position order (those never visible last): the held keys, then each piece's keys in
+    # sequence order (a cached segment's block, a run's tokens); a stable sort where that is not ordered
+    blocks, ci = [np.arange(held, dtype=np.int64)], 0
+    for p in work.pieces:
+        if isinstance(p, Apply):
+            blocks.append(np.arange(p0 + ci, p0 + ci + p.entry.cached_tokens, dtype=np.int64))
+            ci += p.entry.cached_tokens
+        else:
+            a = p0 + shape.keys + p.start - work.start
+            blocks.append(np.arange(a, a + p.n, dtype=np.int64))
+    seen = np.concatenate(blocks)
+    rest = np.ones(kmask.shape[0], dtype=bool)
+    rest[seen] = False
+    kperm = np.concatenate([seen, np.flatnonzero(rest)])
+    sorted_mask = kmask[kperm]
+    if sorted_mask.shape[0] > 1 and not (sorted_mask[1:] >= sorted_mask[:-1]).all():
+        kperm = np.argsort(kmask, kind="stable")
+        sorted_mask = kmask[kperm]
+    qlast = np.searchsorted(sorted_mask, tok_pos, side="right") - 1        # pads (position 0): key 0
+    tok_ids = np.zeros(np_, dtype=np.int64)
+    tok_ids[:n] = ids[work.start:work.end]
+    t = torch.from_numpy
+    tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), cu=t(cu),
                   cu_maps=torch.tensor([0, main, e + r], dtype=torch.int32), order=torch.tensor(order, dtype=torch.int32),
-                  run_of=run_of, pos_in_run=pos_in_run, kpos=kpos,
-                  kperm=kperm, qlast=qlast)
+                  run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
-        tables.update(conv_idx=conv_idx, window=window)
-    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, kmask)
+        tables.update(conv_idx=t(conv_idx), window=t(window))
+    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask))
 
 
 def _cut(pieces: list, k: int) -> list:

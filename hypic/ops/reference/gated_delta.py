@@ -93,9 +93,10 @@ def recurrent_gated_delta_rule(
     return o.to(dtype), (s if output_final_state else None)
 
 
-def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, use_qk_l2norm_in_kernel=False):
+def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, use_qk_l2norm_in_kernel=False,
+                                  max_len=None):
     """Every run of a varlen batch from zero, with its transition: K value columns appended ([v | 0]),
-    the state started at [0 | I]. Returns (o [N, HV, V], u [N, HV, K] the appended columns' outputs,
+    the state started at [0 | I] (max_len: a bound on the run lengths, a hint for fast backends). Returns (o [N, HV, V], u [N, HV, K] the appended columns' outputs,
     in v's dtype; final [R, HV, K, V + K] fp32 = [S | T] per run)."""
     r = cu_seqlens.shape[0] - 1
     hv, dv, dk = v.shape[-2], v.shape[-1], k.shape[-1]
