@@ -175,8 +175,12 @@ def pin_layouts() -> list:
 
 def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                  use_qk_l2norm_in_kernel):
-    """fla's chunk (which=0) or fused recurrent (which=1) kernel on CUDA, else the reference twin."""
+    """fla's chunk (which=0) or fused recurrent (which=1) kernel on CUDA, else the reference twin. Under
+    autograd the chunk kernel either way: fla's fused recurrent gated delta rule has no backward."""
     kern = _fla() if q.is_cuda else None
+    if which == 1 and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
+        which = 0
     if kern is None:
         fn = (ref.chunk_gated_delta_rule, ref.recurrent_gated_delta_rule)[which]
         return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
