@@ -297,25 +297,34 @@ def main():
         print(f"pic warm TTFT, planned walk: {rag['pic_warm_planned_s'] * 1e3:.1f} ms; graph vs planned logits "
               f"rel {rag['graph_vs_planned_logits_rel']:.2e}", flush=True)
     if comp is not None and getattr(comp, "graphs", False):
-        # a variant of the compose pass, side by side: the runs' outputs corrected after the scan (the scan
-        # writes their initial states) instead of inside it; the shape's graph captured again for it
+        # variants of the compose pass, side by side, each with the shape's graph captured again: the runs'
+        # outputs corrected after the scan (the scan writes their initial states) instead of inside it; the
+        # graph in 4 pieces launched one after another instead of one
         from hypic.layers import linear as _linear
 
-        _linear.FUSE_CORRECTION = False
-        comp.clear()
-        var_ts = []
-        try:
-            for r in range(args.reps + 3):
-                order = order_a[:]
-                random.Random(r + 1).shuffle(order)
-                var_ts.append(ttft(Prompt(segments=[segs[i] for i in order], query=query))[0])
-        finally:
-            _linear.FUSE_CORRECTION = True
+        def fused(on):
+            _linear.FUSE_CORRECTION = on
+
+        def pieces(n):
+            comp.pieces = n
+
+        for name, setup, undo in (("correction_after_scan", lambda: fused(False), lambda: fused(True)),
+                                  ("graph_in_4_pieces", lambda: pieces(4), lambda: pieces(1))):
+            setup()
             comp.clear()
-        rag["pic_warm_correction_after_scan_s"] = statistics.median(var_ts[3:])
-        rag["pic_warm_correction_after_scan_all_s"] = var_ts
-        print(f"pic warm TTFT, correction after the scan: {rag['pic_warm_correction_after_scan_s'] * 1e3:.1f} ms "
-              f"{[round(t * 1e3, 1) for t in var_ts]}", flush=True)
+            var_ts = []
+            try:
+                for r in range(args.reps + 3):
+                    order = order_a[:]
+                    random.Random(r + 1).shuffle(order)
+                    var_ts.append(ttft(Prompt(segments=[segs[i] for i in order], query=query))[0])
+            finally:
+                undo()
+                comp.clear()
+            rag[f"pic_warm_{name}_s"] = statistics.median(var_ts[3:])
+            rag[f"pic_warm_{name}_all_s"] = var_ts
+            print(f"pic warm TTFT, variant {name}: {rag[f'pic_warm_{name}_s'] * 1e3:.1f} ms "
+                  f"{[round(t * 1e3, 1) for t in var_ts]}", flush=True)
         for r in range(2):                   # the default's graph again
             ttft(Prompt(segments=[segs[i] for i in order_a], query=query))
     llm.engine.segments.clear()              # cold again, now that every kernel shape has been tuned and the

@@ -593,12 +593,17 @@ class EngineConfig:
     compose: str = "auto"              # one request's compose pass: "eager" (the planned walk), "static" (fixed
                                        # buffers, runtime/compose_graph.py), "graph" (those replayed as a CUDA
                                        # graph); auto: graph on CUDA, eager elsewhere
+    compose_pieces: int = 1            # the compose graph captured as this many graphs over consecutive layers,
+                                       # launched one after another (the GPU starts on the first while the host
+                                       # launches the rest)
 
     def __post_init__(self):
         if self.decode not in ("auto", "dynamic", "static", "graph"):
             raise ConfigError(f"unknown decode {self.decode!r}; use 'auto', 'dynamic', 'static' or 'graph'")
         if self.compose not in ("auto", "eager", "static", "graph"):
             raise ConfigError(f"unknown compose {self.compose!r}; use 'auto', 'eager', 'static' or 'graph'")
+        if self.compose_pieces < 1:
+            raise ConfigError(f"compose_pieces must be >= 1, got {self.compose_pieces}")
         if self.walk not in ("phased", "rounds"):
             raise ConfigError(f"unknown walk {self.walk!r}; use 'phased' or 'rounds'")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):

@@ -160,3 +160,17 @@ def test_capture_waits_for_a_shape_to_repeat(hf_checkpoints):
         llm.generate([p], sp)
         runs.append(comp.runs)
     assert runs == [0, 1, 1, 2, 3] and len(comp.ready) == 2
+
+
+def test_graph_pieces_cover_every_layer_once():
+    """The compose graph in pieces: consecutive layer ranges, none empty, all layers covered; the engine
+    option is checked."""
+    from hypic.config import ConfigError, EngineConfig
+    from hypic.runtime.graphs import cuts
+
+    for n, p in ((40, 1), (40, 4), (40, 3), (8, 8), (3, 5)):
+        b = cuts(n, p)
+        assert b[0] == 0 and b[-1] == n and len(b) == min(p, n) + 1
+        assert all(x < y for x, y in zip(b, b[1:]))
+    with pytest.raises(ConfigError):
+        EngineConfig(compose_pieces=0)

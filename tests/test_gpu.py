@@ -173,6 +173,13 @@ def test_cuda_graph_compose_matches_eager_buffers():
     for a, b in zip(graph[1:], eager[1:]):          # replays: the buffers' own kernels, captured
         assert a.token_ids == b.token_ids
         assert rel(a.logits, b.logits) < 1e-3
+    # the same pass captured in three graphs over consecutive layers, replayed in order
+    eng.composer = GraphCompose(eng.model, "cuda", torch.bfloat16, graphs=True, pieces=3)
+    pieces = [llm.generate([p], sp)[0] for p in ps]
+    assert eng.composer.captures == 1 and len(next(iter(eng.composer.ready.values()))[1].graphs) == 3
+    for a, b in zip(pieces[1:], eager[1:]):
+        assert a.token_ids == b.token_ids
+        assert rel(a.logits, b.logits) < 1e-3
 
 
 @cuda
@@ -195,6 +202,13 @@ def test_cuda_graph_decode_matches_eager_buffers():
     # this file's kernel tests, on its first-token logits (later tokens may take another argmax)
     assert rel(graph[0].logits[0], eager[0].logits[0]) < 2e-2
     for a, b in zip(graph[1:], eager[1:]):          # replays: the buffers' own kernels, captured
+        assert a.token_ids == b.token_ids
+        assert rel(a.logits, b.logits) < 1e-3
+    # the same pass captured in three graphs over consecutive layers, replayed in order
+    eng.composer = GraphCompose(eng.model, "cuda", torch.bfloat16, graphs=True, pieces=3)
+    pieces = [llm.generate([p], sp)[0] for p in ps]
+    assert eng.composer.captures == 1 and len(next(iter(eng.composer.ready.values()))[1].graphs) == 3
+    for a, b in zip(pieces[1:], eager[1:]):
         assert a.token_ids == b.token_ids
         assert rel(a.logits, b.logits) < 1e-3
 

@@ -44,6 +44,10 @@ class CausalLM(nn.Module):
         h = self.embed(batch)
         for layer in self.model.layers:
             h = layer(h, batch)
+        return self.head(h, batch)
+
+    def head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The final norm and the LM head on the rows that return logits."""
         h = self.model.norm(h[batch.logits_index])
         return self.lm_head(h).float()
 

@@ -291,8 +291,10 @@ class GraphCompose:
     lowering does not cover the request. graphs: replay a CUDA graph per shape (CUDA only); else the
     same buffers run eagerly."""
 
-    def __init__(self, model, device, dtype, *, graphs: bool, max_shapes: int = 2, capture_after: int = 2):
+    def __init__(self, model, device, dtype, *, graphs: bool, max_shapes: int = 2, capture_after: int = 2,
+                 pieces: int = 1):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.pieces = pieces                         # graphs per shape (graphs.capture_forward)
         self.graphs = graphs and self.device.type == "cuda"
         self.max_shapes = max_shapes
         # with graphs, a shape gets buffers and a graph on its capture_after-th request (a capture costs
@@ -347,7 +349,7 @@ class GraphCompose:
         bufs = hit[0]
         batch = bufs.batch()
         try:
-            graph, logits, pinned = capture_forward(self.model, batch, self.device)
+            graph, logits, pinned = capture_forward(self.model, batch, self.device, self.pieces)
             hit[1], hit[2], hit[3] = graph, logits, [pinned, dict(bufs.outputs), batch.scratch]
             self.captures += 1
         except Exception as e:  # an op that cannot be captured: the same buffers, eagerly

@@ -64,7 +64,8 @@ class Engine:
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=mode == "graph")
         cmode = config.compose_mode
         self.composer = None if cmode == "eager" else GraphCompose(
-            self.model, self.device, self.model.lm_head.weight.dtype, graphs=cmode == "graph")
+            self.model, self.device, self.model.lm_head.weight.dtype, graphs=cmode == "graph",
+            pieces=config.compose_pieces)
 
     # -- stage 1: plan -------------------------------------------------------------------------
     def _plan(self, reqs: list[Request]) -> list[PrefillPlan]:
