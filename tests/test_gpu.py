@@ -197,18 +197,7 @@ def test_cuda_graph_decode_matches_eager_buffers():
     assert eng.decoder.captures >= 1
     eng.decoder = StaticDecoder(eng.model, "cuda", torch.bfloat16, graphs=False)
     eager = llm.generate([p, p], sp)
-    # the first request went the planned walk (other kernels: fla's fused recurrent summaries, the
-    # separate readout correction), so in bf16 it agrees with the buffers to rounding: the bf16 bound of
-    # this file's kernel tests, on its first-token logits (later tokens may take another argmax)
-    assert rel(graph[0].logits[0], eager[0].logits[0]) < 2e-2
-    for a, b in zip(graph[1:], eager[1:]):          # replays: the buffers' own kernels, captured
-        assert a.token_ids == b.token_ids
-        assert rel(a.logits, b.logits) < 1e-3
-    # the same pass captured in three graphs over consecutive layers, replayed in order
-    eng.composer = GraphCompose(eng.model, "cuda", torch.bfloat16, graphs=True, pieces=3)
-    pieces = [llm.generate([p], sp)[0] for p in ps]
-    assert eng.composer.captures == 1 and len(next(iter(eng.composer.ready.values()))[1].graphs) == 3
-    for a, b in zip(pieces[1:], eager[1:]):
+    for a, b in zip(graph, eager):
         assert a.token_ids == b.token_ids
         assert rel(a.logits, b.logits) < 1e-3
 

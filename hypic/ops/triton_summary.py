@@ -73,11 +73,8 @@ def _summary_kernel(q, k, v, g, beta, cu, o, final, s_q, s_k, s_v, scale, H: tl.
     tl.store(final + off, X, mask=mk[:, None] & mc[None, :])
 
 
-def summary(q, k, v, g, beta, cu_seqlens, *, scale=None, use_qk_l2norm_in_kernel=False, block_v: int = 64,
-            warps: int = 4):
-    """q, k [1, N, H, K], v [1, N, HV, V] (each with unit strides inside a token), g, beta [1, N, HV],
-    cu_seqlens [R + 1] (device int) -> (o [N, HV, V], u [N, HV, K] in v's dtype, final [R, HV, K, V + K] fp32):
-    every run from [0 | I] with [v | 0]. No host sync (CUDA-graph safe)."""
+def _outputs(q, k, v, cu_seqlens, scale):
+    """The kernels' token-major views of q, k, v (checked), their outputs' buffers, the sizes, the scale."""
     _, n, h, kd = q.shape
     hv, vd = v.shape[-2], v.shape[-1]
     q, k, v = q[0], k[0], v[0]
@@ -85,9 +82,17 @@ def summary(q, k, v, g, beta, cu_seqlens, *, scale=None, use_qk_l2norm_in_kernel
         if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
             raise ValueError("q, k, v need unit strides inside a token")
     r = cu_seqlens.shape[0] - 1
-    scale = kd ** -0.5 if scale is None else scale
     o = v.new_empty((n, hv, vd + kd))
     final = torch.empty(r, hv, kd, vd + kd, dtype=torch.float32, device=v.device)
+    return q, k, v, o, final, (r, h, hv, kd, vd), kd ** -0.5 if scale is None else scale
+
+
+def summary(q, k, v, g, beta, cu_seqlens, *, scale=None, use_qk_l2norm_in_kernel=False, block_v: int = 64,
+            warps: int = 4):
+    """q, k [1, N, H, K], v [1, N, HV, V] (each with unit strides inside a token), g, beta [1, N, HV],
+    cu_seqlens [R + 1] (device int) -> (o [N, HV, V], u [N, HV, K] in v's dtype, final [R, HV, K, V + K] fp32):
+    every run from [0 | I] with [v | 0]. No host sync (CUDA-graph safe)."""
+    q, k, v, o, final, (r, h, hv, kd, vd), scale = _outputs(q, k, v, cu_seqlens, scale)
     _summary_kernel[(r, hv, triton.cdiv(vd + kd, block_v))](
         q, k, v, g[0].contiguous(), beta[0].contiguous(), cu_seqlens, o, final, q.stride(0), k.stride(0), v.stride(0),
         scale, H=h, HV=hv, K=kd, V=vd, BK=max(16, triton.next_power_of_2(kd)), BV=block_v,
@@ -178,19 +183,10 @@ def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use
     (ops/reference/gated_delta.py `chunk_gated_delta_rule` with S_0 = [0 | I]). A program takes one
     (run, value head, block of the V + K columns); the products are small tensor-core matmuls, with
     no step-by-step loop over the run's tokens. Same returns as `summary`."""
-    _, n, h, kd = q.shape
-    hv, vd = v.shape[-2], v.shape[-1]
     if max_len > CHUNK_MAX:
         raise ValueError(f"runs of up to {max_len} tokens; the chunked summary takes <= {CHUNK_MAX}")
-    q, k, v = q[0], k[0], v[0]
-    for x in (q, k, v):
-        if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
-            raise ValueError("q, k, v need unit strides inside a token")
-    r = cu_seqlens.shape[0] - 1
-    scale = kd ** -0.5 if scale is None else scale
+    q, k, v, o, final, (r, h, hv, kd, vd), scale = _outputs(q, k, v, cu_seqlens, scale)
     bl = max(16, triton.next_power_of_2(max_len))
-    o = v.new_empty((n, hv, vd + kd))
-    final = torch.empty(r, hv, kd, vd + kd, dtype=torch.float32, device=v.device)
     _chunk_summary_kernel[(r, hv, triton.cdiv(vd + kd, block_v))](
         q, k, v, g[0].contiguous(), beta[0].contiguous(), cu_seqlens, o, final, q.stride(0), k.stride(0),
         v.stride(0), scale, H=h, HV=hv, K=kd, V=vd, BK=max(16, triton.next_power_of_2(kd)), BV=block_v, BL=bl,
