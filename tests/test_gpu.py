@@ -297,6 +297,14 @@ for m in order.tolist():                       # the step table: cached maps by 
 steps = torch.tensor(rows, dtype=torch.int64)
 b1, f1 = triton_scan.scan_steps(init, steps, cu, runs, E + N)
 assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6
+pairs = torch.tensor([2, 0])                   # runs 2 and 0 fused with the maps of entries 1 and 2
+fused = runs.clone()
+addr = torch.tensor([[Ts[1].data_ptr(), Ss[1].data_ptr()], [Ts[2].data_ptr(), Ss[2].data_ptr()]], dtype=torch.int64)
+triton_scan.fuse_pairs(fused, pairs, addr, block=16)
+for p_, e_ in ((2, 1), (0, 2)):
+    want_ = torch.cat([T[e_].double() @ runs[p_, ..., :V].double() + S[e_].double(), T[e_].double() @ runs[p_, ..., V:].double()], -1)
+    assert rel(fused[p_], want_) < 1e-6
+assert torch.equal(fused[[1, 3]], runs[[1, 3]])
 from hypic.ops import triton_attention
 from hypic.ops.reference import position_attention
 for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):
@@ -360,11 +368,18 @@ for comp in ("eager", "static"):
 assert llm.engine.composer.runs == len(ps) and "steps" in next(iter(llm.engine.composer.ready.values()))[0].layers[0]
 for a, b in zip(out["eager"], out["static"]):
     assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
-fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary"))   # kernels that could not be built: PyTorch forms
-llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
-for a, p in zip(out["eager"], ps):
-    b = llm.generate([p], sp)[0]
-    assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
+from hypic.runtime import compose_graph
+def same_as_eager(fuse):
+    compose_graph.FUSE_PAIRS = fuse
+    llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
+    for a, p in zip(out["eager"], ps):
+        b = llm.generate([p], sp)[0]
+        assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
+    assert any(sh.pairs for sh in llm.engine.composer.ready) == fuse
+same_as_eager(True)                            # runs fused with the segments after them (the fuse kernel)
+fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary", "fuse"))   # kernels that could
+same_as_eager(True)                                                                      # not be built:
+same_as_eager(False)                                                                     # PyTorch forms
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -310,3 +310,41 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         cfg = _tuned(("steps+correct", r, h, k, v, precision), init.device, trial, cfg, final)
     launch(cfg)
     return before, final
+
+
+@triton.jit
+def _fuse_kernel(runs, pairs, steps, s_row, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 BC: tl.constexpr, PREC: tl.constexpr):
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    cb = tl.program_id(2)
+    ri = tl.load(pairs + p).to(tl.int64)
+    row = steps + p.to(tl.int64) * s_row                 # the pair's segment: its T and S addresses
+    tp = tl.load(row).to(tl.pointer_type(tl.float32))
+    sp = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    cols = cb * BC + tl.arange(0, BC)
+    m = mk[:, None] & (cols < V + K)[None, :]
+    t = tl.load(tp + h * K * K + rk[:, None] * K + rk[None, :], mask=mk[:, None] & mk[None, :], other=0.0)
+    aptr = runs + ((ri * H + h) * K + rk[:, None]) * (V + K) + cols[None, :]
+    a = tl.load(aptr, mask=m, other=0.0)
+    s = tl.load(sp + h * K * V + rk[:, None] * V + cols[None, :], mask=mk[:, None] & (cols < V)[None, :], other=0.0)
+    tl.store(aptr, tl.dot(t, a, input_precision=PREC) + s, mask=m)
+
+
+def fuse_pairs(runs: torch.Tensor, pairs: torch.Tensor, steps: torch.Tensor, *, block: int = 64, warps: int = 4,
+               precision: str = "tf32x3") -> None:
+    """Seam runs fused with the cached segment that follows each (one chain step instead of two), in place:
+    runs[pairs[p]] <- T_e [S_j | T_j] + [S_e | 0] = [T_e S_j + S_e | T_e T_j].
+    runs [N, H, K, V + K] fp32 contiguous; pairs [P] int (device): run indices; steps [P, >= 2] int64 (device;
+    rows of the step table): the addresses of segment p's T [H, K, K] and S [H, K, V] (fp32, contiguous).
+    A program takes one (pair, head, block of the V + K columns): T_e times that block of the run's map."""
+    n, h, k, vk = runs.shape
+    if not (runs.is_contiguous() and runs.dtype == torch.float32):
+        raise ValueError("runs must be fp32 and contiguous")
+    if pairs.shape[0] == 0:
+        return
+    _fuse_kernel[(pairs.shape[0], h, triton.cdiv(vk, block))](
+        runs, pairs, steps, steps.stride(0), H=h, K=k, V=vk - k, BK=max(16, triton.next_power_of_2(k)), BC=block,
+        PREC=precision, num_warps=warps)
