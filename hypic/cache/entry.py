@@ -15,6 +15,7 @@ PrefixNode (exact prefix cache), one per span boundary, positions fixed:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,15 @@ class LinearSummary:
         yield "S", self.S
         if self.tail is not None:
             yield "tail", self.tail
+
+    @functools.cached_property
+    def addresses(self) -> tuple[int, int] | None:
+        """The data addresses of T and S where both are fp32 and contiguous (the compose pass's scan reads
+        them in place, by address); None otherwise. Made once: a cached summary is never written."""
+        t, s = self.T.t, self.S
+        if all(x.dtype == torch.float32 and x.is_contiguous() for x in (t, s)):
+            return t.data_ptr(), s.data_ptr()
+        return None
 
 
 @dataclass(frozen=True)

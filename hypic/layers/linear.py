@@ -165,11 +165,14 @@ class LinearMixer(nn.Module):
             addr = np.empty((e, 2), dtype=np.int64)
             dev = buf["init"].device
             for i, p in enumerate(parts):
-                for j, t in enumerate((p.T.t, p.S)):
-                    if not (t.dtype == torch.float32 and t.is_contiguous() and t.device == dev):
+                a = p.addresses if p.S.device == dev else None
+                if a is None:
+                    a = []
+                    for t in (p.T.t, p.S):
                         t = t.to(dev, torch.float32).contiguous()
                         keep.append(t)
-                    addr[i, j] = t.data_ptr()
+                        a.append(t.data_ptr())
+                addr[i] = a
             buf["keep"], buf["parts"] = keep, parts
             rows = buf["steps_host"].numpy()
             is_run, off, ent, rest = self._step_columns(low)
@@ -180,10 +183,12 @@ class LinearMixer(nn.Module):
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
         if self.conv_width:
-            tails = [p.tail[p.tail.shape[0] - t:] for p, (_, t) in zip(parts, low.tail_rows) if t]
+            tails = [p.tail if p.tail.shape[0] == t else p.tail[p.tail.shape[0] - t:]
+                     for p, (_, t) in zip(parts, low.tail_rows) if t]
             if tails:
                 a = low.tail_rows[0][0]
-                torch.cat(tails, out=buf["src"][a : a + sum(t.shape[0] for t in tails)])
+                last, t = low.tail_rows[-1]
+                torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
 
     def _fuse_pairs(self, aug, buf, c) -> None:
         """The runs that a cached segment follows take the pair's map, in place (compose_graph.FUSE_PAIRS):
