@@ -81,6 +81,19 @@ def profile(name, fn):
                    max_name_column_width=40, max_shapes_column_width=70))
 
 
+def gpu_ms(fn) -> float:
+    """The kernels' time of one call of fn (sum of the profiler's device time over its events), in ms:
+    the device's share of a call whose wall time may be bound by the host."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    fn()
+    sync()
+    with prof(activities=[ProfilerActivity.CUDA]) as pr:
+        fn()
+        sync()
+    return sum(e.self_device_time_total for e in pr.key_averages()) / 1e3
+
+
 def ceilings():
     big = DEV == "cuda"
     x = torch.empty(1 << (30 if big else 22), dtype=torch.float32, device=DEV).normal_()
@@ -372,7 +385,9 @@ def main():
     n_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     n_all = sum(p.numel() for p in model.parameters())
     n_embed = model.model.embed_tokens.weight.numel()
-    active_per_token = (n_all - n_expert - n_embed) + n_expert * cfg.params.num_experts_per_tok / cfg.params.num_experts
+    experts = getattr(cfg.params, "num_experts", 0) or 0           # 0: a dense model (the CPU dry run's presets)
+    active_per_token = (n_all - n_expert - n_embed) + (
+        n_expert * cfg.params.num_experts_per_tok / experts if experts else 0)
     stats = llm.cache_stats()["segments"]
     entry_bytes = stats.get("bytes", 0)
     active = counts["recomputed"]
@@ -425,8 +440,14 @@ def main():
         plain = timed(lambda: run(False), args.reps + 2)[0]
         summ = timed(lambda: run(True), args.reps + 2)[0]
         over[n] = dict(plain_s=plain, summarized_s=summ, overhead=summ / plain - 1)
+        if DEV == "cuda":              # the same on the device alone (the short rows are host-bound)
+            gp, gs = gpu_ms(lambda: run(False)), gpu_ms(lambda: run(True))
+            over[n].update(plain_gpu_ms=gp, summarized_gpu_ms=gs, gpu_overhead=gs / gp - 1)
         print(f"(T, S) overhead at {n}: plain {plain * 1e3:.1f} ms, with summaries {summ * 1e3:.1f} ms -> "
-              f"{(summ / plain - 1) * 100:.1f}%", flush=True)
+              f"{(summ / plain - 1) * 100:.1f}%" + (f"; kernels {over[n]['plain_gpu_ms']:.1f} -> "
+                                                  f"{over[n]['summarized_gpu_ms']:.1f} ms, "
+                                                  f"{over[n]['gpu_overhead'] * 100:+.1f}%" if DEV == "cuda" else ""),
+              flush=True)
     res["ts_overhead"] = over
 
     # -- table -----------------------------------------------------------------------------------------
