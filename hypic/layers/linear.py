@@ -273,10 +273,9 @@ class LinearMixer(nn.Module):
             self._fuse_pairs(aug, buf, c)
         final = None
         if "steps" in buf and triton_kernel("steps") is not None:
-            # FUSE_CORRECTION: the scan corrects the runs' outputs (else it writes the runs' initial states and
-            # `_corrected` applies them after it; gpu_bench times both)
-            # the scan corrects the runs' outputs in place as it reaches each run (its initial state in
-            # registers): o0 and u are the two column ranges of the summary's [N, H, V + K] outputs
+            # FUSE_CORRECTION: the scan corrects the runs' outputs in place as it reaches each run (its initial
+            # state in registers; o0 and u are the two column ranges of the summary's [N, H, V + K] outputs);
+            # else it writes the runs' initial states and `_corrected` applies them (gpu_bench times both)
             dv = o0.shape[-1]
             fused = (FUSE_CORRECTION and u.data_ptr() == o0.data_ptr() + dv * o0.element_size()
                      and u.stride() == o0.stride() and o0.stride(1) == dv + u.shape[-1])

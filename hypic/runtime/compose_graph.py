@@ -14,7 +14,9 @@ once, on the host, to device tables, and the forward becomes a pure function of 
                E..E+R-1 the runs' zero-start summaries (read where the kernel wrote them); order [E + R] lists
                the slots in sequence order, then the pad runs as a second chain from zero (cu_maps
                [0, E + R_real, E + R]): the first chain's final state is the request's, and every
-               pad run gets a finite initial state without lengthening the request's chain
+               pad run gets a finite initial state without lengthening the request's chain. With
+               FUSE_PAIRS a run followed by a cached segment is one step (pairs [P]: those runs,
+               whose maps take the segment's before the scan; the segments are listed after the chains)
     conv       one source buffer per linear layer: the initial window, the entries' tails packed,
                then the active raw inputs; conv_idx [Np, W] names each token's W inputs in it
     linear     the initial state [1, H, K, V] (the request's, after a cached prefix; else zero)
