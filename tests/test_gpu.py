@@ -71,6 +71,18 @@ def test_triton_scan_matches_fp64():
     b1, f1 = scan_dense(init[:1], T, S, cu1, order=order, runs=runs)
     b0, f0 = scan_dense_reference(init[:1].double(), T.double(), S.double(), cu1, order, runs.double())
     assert b1.shape[0] == 16 and rel(b1, b0) < 1e-5 and rel(f1, f0) < 1e-5
+    # seam runs fused with the segment after them (compose_graph.FUSE_PAIRS): T_e [S_j | T_j] + [S_e | 0]
+    from hypic.ops.triton_scan import fuse_pairs
+
+    Tc, Sc = T[[3, 7]].contiguous(), S[[3, 7]].contiguous()
+    addr = torch.tensor([[Tc[i].data_ptr(), Sc[i].data_ptr()] for i in range(2)], dtype=torch.int64, device="cuda")
+    fused = runs.clone()
+    fuse_pairs(fused, torch.tensor([1, 3], device="cuda"), addr)
+    for i, j in enumerate((1, 3)):
+        want = torch.cat([Tc[i].double() @ runs[j, ..., :32].double() + Sc[i].double(),
+                          Tc[i].double() @ runs[j, ..., 32:].double()], -1)
+        assert rel(fused[j], want) < 1e-5
+    assert torch.equal(fused[[0, 2]], runs[[0, 2]])
 
 
 @cuda
