@@ -161,7 +161,7 @@ def test_engine_bf16_cuda_matches_cpu_reference():
 
 
 @cuda
-def test_cuda_graph_compose_matches_eager_buffers():
+def test_cuda_graph_compose_matches_eager_buffers(monkeypatch):
     """The captured compose pass replays the same kernels as the fixed buffers run eagerly; warm
     requests of one shape replay one graph."""
     from hypic import LLM, Prompt, SamplingParams
@@ -192,6 +192,15 @@ def test_cuda_graph_compose_matches_eager_buffers():
     for a, b in zip(pieces[1:], eager[1:]):
         assert a.token_ids == b.token_ids
         assert rel(a.logits, b.logits) < 1e-3
+    # seam runs fused with their segments (one more fp32 product per pair; other kernels: the bf16 bound)
+    from hypic.runtime import compose_graph
+
+    monkeypatch.setattr(compose_graph, "FUSE_PAIRS", True)
+    eng.composer = GraphCompose(eng.model, "cuda", torch.bfloat16, graphs=True)
+    fused = [llm.generate([p], sp)[0] for p in ps]
+    assert eng.composer.replays == 2 and any(sh.pairs for sh in eng.composer.ready)
+    for a, b in zip(fused, eager):
+        assert rel(a.logits[0], b.logits[0]) < 2e-2
 
 
 @cuda
