@@ -1,4 +1,4 @@
-"""Triton kernel: the zero-start summaries of short runs of the gated delta rule (CUDA only).
+"""Triton kernels: the zero-start summaries of short runs of the gated delta rule (CUDA only).
 
 The compose pass recomputes short runs (seam windows, the query in pieces of <= 16 tokens) from zero
 with K value columns appended: the state starts at [0 | I] and ends at [S | T], and the outputs of
@@ -12,6 +12,11 @@ the identity is made in registers, and a program holds a block of 64 of the V + 
         X <- exp(g) X;  X <- X + k (beta (v - k^T X))^T;  o <- X^T (scale q)
     (q, k l2-normalised in the kernel when asked); o written for all V + K columns in v's dtype, the
     final X as fp32.
+
+That kernel's 16 dependent steps, each with two cross-warp reductions, set its time (0.23 ms per layer in
+H200 run 15). `chunk_summary`, what the compose pass takes (runs of at most 64 tokens), computes the
+same in the chunked (WY) form, one chunk per run: a few small tensor-core products per program and no
+loop over the tokens (0.12 ms per layer, run 16).
 
 Imported lazily (ops/fast.py): importing it needs triton, which CPU machines may lack.
 """
