@@ -50,8 +50,9 @@ def scan_dense(init, T, S, cu, order=None, runs=None, runs_only: bool = False):
     """The same on CUDA in one kernel launch (the reference elsewhere). cu: a list, or an int32 device
     tensor (read by the kernel: no host copy, CUDA-graph safe), as is order; runs are read in place.
     runs_only: only the runs' slots of `before` are needed (the kernel leaves the others unwritten)."""
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (init, T, S, runs))
-    if not init.is_cuda or _kernel() is None or grad:         # (the kernel has no backward)
+    from ..ops.fast import needs_grad
+
+    if not init.is_cuda or _kernel() is None or needs_grad(init, T, S, runs):    # (the kernel has no backward)
         return scan_dense_reference(init, T, S, cu, order, runs)
     return _kernel()(init, T, S, cu, order=order, runs=runs, runs_only=runs_only)
 

@@ -97,9 +97,11 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     sync); else the reference."""
     if triton_here(q):
         from .triton_summary import CHUNK_MAX
-        for name, kw in (("chunk_summary", {"max_len": max_len}), ("summary", {})):
-            if name == "chunk_summary" and (max_len is None or max_len > CHUNK_MAX):
-                continue
+
+        tries = [("summary", {})]
+        if max_len is not None and max_len <= CHUNK_MAX:
+            tries.insert(0, ("chunk_summary", {"max_len": max_len}))
+        for name, kw in tries:
             kern = triton_kernel(name)
             if kern is None:
                 continue
@@ -123,6 +125,12 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
         return o[0, ..., :dv], o[0, ..., dv:], final
     return ref.recurrent_gated_delta_summary(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def needs_grad(*ts) -> bool:
+    """Autograd will differentiate through these tensors (None entries ignored): the Triton / fla kernels
+    without a usable backward must step aside."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
 def fla_available() -> bool:
@@ -180,9 +188,7 @@ def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_fina
     autograd the reference twin (PyTorch, on the same device): fla 0.6's fused recurrent gated delta rule
     has no backward, and its chunk backward refuses Hopper GPUs with Triton < 3.7.1 (fla issue #640; the
     H200's Triton is 3.6, H200 run 17)."""
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (q, k, v, g, beta, initial_state))
-    kern = _fla() if q.is_cuda and not grad else None
+    kern = _fla() if q.is_cuda and not needs_grad(q, k, v, g, beta, initial_state) else None
     if kern is None:
         fn = (ref.chunk_gated_delta_rule, ref.recurrent_gated_delta_rule)[which]
         return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -240,8 +246,8 @@ def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: st
     # under autograd the PyTorch form (a depthwise conv), as for the gated delta rule: with only that one on
     # its reference, the PIC trainer's loss on the H200 still differed from the CPU's by 3% (run 18), and
     # fla's conv was the remaining fla kernel in its graph (this change not yet run on the GPU)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, windows))
-    conv = _fla_conv() if x.is_cuda and activation in (None, "silu") and not grad else None
+    conv = _fla_conv() if x.is_cuda and activation in (None, "silu") and not needs_grad(x, weight, bias, windows) \
+        else None
     if conv is not None:
         # fla's state is the last W inputs channels-first, the newest last ([N, C, W]); the kernel reads
         # its last W-1 columns, which are hypic's window transposed (tested in tests/test_gpu.py)

@@ -117,8 +117,6 @@ def _partial_kernel(q, k, v, qpos, kpos, kidx, acc_out, m_out, l_out, Nq, Nk, pe
     tl.store(l_out + out_rows, l_i, mask=row_ok)
 
 
-
-
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False, k_index=None,
                        block_m: int | None = None, block_n: int = 64, splits: int | None = None, warps: int | None = None,
                        stages: int | None = None):
