@@ -257,9 +257,15 @@ def test_pic_training_step_on_cuda_matches_cpu():
     spec.loader.exec_module(pt)
     docs = [list(range(3 + i, 40 + 3 * i)) for i in range(3)]
     exs = [pt.Example([5, 6, 7], docs, list(range(100, 110)), [False] * 6 + [True] * 4)]
-    out = {}
+    out, weights = {}, None
     for dev in ("cpu", "cuda"):
         model = LLM("tiny-qwen3.5", device=dev, dtype="float32", seed=0).engine.model
+        # dummy weights come from a generator on the engine's device (a 35B model is not drawn on the host):
+        # the same seed gives other weights on CUDA, so the CUDA model takes the CPU model's
+        if weights is None:
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+        else:
+            model.load_state_dict(weights)
         for p in model.parameters():
             p.requires_grad_(True)
         loss = pt.example_loss(model, exs, "pic", 4, dev)

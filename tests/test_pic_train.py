@@ -74,3 +74,37 @@ def test_a_few_pic_steps_lower_the_pic_loss(hf_checkpoints):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1
+
+
+def test_fast_backend_kernels_step_aside_under_autograd(monkeypatch):
+    """Where the fast backend's Triton kernels would run (a GPU; here the interpreter flag on CPU tensors),
+    none is called on tensors that need gradients: they have no backward, and a kernel there silently cut
+    the gradient of the isolated prefill's (T, S) and of the placed keys (found for the H200's PIC
+    trainer test). Each kernel here records whether it was handed such tensors, then fails, so its
+    PyTorch form runs; the trainer's loss and gradients equal the plain backend's."""
+    from hypic.ops import fast
+
+    pt = _pic_train()
+    exs = _examples(pt, 5)
+    model = LLM("tiny-qwen3.5", device="cpu", dtype="float32", seed=0).engine.model
+    for p in model.parameters():
+        p.requires_grad_(True)
+    lr, gr = _loss_and_grads(model, pt, exs, "pic", 2)
+
+    calls = []
+
+    def fake(name):
+        def kern(*args, **kw):
+            calls.append((name, fast.needs_grad(*[a for a in args if isinstance(a, torch.Tensor)])))
+            raise RuntimeError("no kernel in this test")
+        return kern
+
+    monkeypatch.setattr(fast, "INTERPRETED", True)
+    monkeypatch.setattr(fast, "FAILED", set())
+    monkeypatch.setattr(fast, "_import_kernel", fake)
+    lk, gk = _loss_and_grads(model, pt, exs, "pic", 2)
+    assert not any(g for _, g in calls), calls
+    assert lk == pytest.approx(lr, abs=1e-6)
+    assert gk.keys() == gr.keys()
+    for n in gr:
+        torch.testing.assert_close(gk[n], gr[n], atol=1e-6, rtol=1e-5, msg=n)

@@ -94,8 +94,8 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     Runs of at most max_len <= 64 tokens (the caller's bound: reading the lengths would sync): the chunked
     Triton kernel, one small-matmul chunk per run; else the token-by-token Triton kernel (the identity
     made in registers); else fla's fused recurrent kernel from a cached [0 | I] (device lengths: no host
-    sync); else the reference."""
-    if triton_here(q):
+    sync); else the reference. Under autograd the reference: the kernels have no backward."""
+    if triton_here(q) and not needs_grad(q, k, v, g, beta):
         from .triton_summary import CHUNK_MAX
 
         tries = [("summary", {})]
@@ -110,7 +110,7 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
                             **kw)
             except Exception as e:
                 kernel_failed(name, e)
-    if q.is_cuda and _fla() is not None:
+    if q.is_cuda and _fla() is not None and not needs_grad(q, k, v, g, beta):
         r = cu_seqlens.shape[0] - 1
         hv, dv, dk = v.shape[-2], v.shape[-1], k.shape[-1]
         key = (r, hv, dk, dv, str(q.device))
@@ -291,8 +291,9 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
     rep = h // hkv
     few = h * nq * nk * 4 <= _SCORES_BYTES
-    # (fp32 stays on the explicit path: the kernel's products are tf32 on the GPU)
-    kern = triton_kernel("attention") if few and triton_here(q) and (
+    # (fp32 stays on the explicit path: the kernel's products are tf32 on the GPU; so does autograd: the
+    # kernel has no backward)
+    kern = triton_kernel("attention") if few and triton_here(q) and not needs_grad(q, k, v) and (
         q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) else None
     if kern is not None:
         # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped
