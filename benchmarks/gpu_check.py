@@ -168,13 +168,6 @@ def check_ops(dev):
     row("Triton split-K position attention, sorted keys (prefix walk) vs reference", rel(a2, a0), 2e-2)
     times["triton split-K, sorted keys (the compose pass)"] = bench(
         lambda: triton_attention.position_attention(qq, kb, vbb, qp, kp, scale=d ** -0.5, sorted_keys=True))
-    perm = torch.randperm(nk, device=dev)              # the compose pass's form: keys read through an order
-    inv = torch.argsort(perm)
-    kbp, vbp = kb[inv], vbb[inv]
-    a3 = triton_attention.position_attention(qq, kbp, vbp, qp, kp, scale=d ** -0.5, sorted_keys=True, k_index=perm)
-    row("Triton split-K position attention, keys through an index vs reference", rel(a3, a0), 2e-2)
-    times["triton split-K, sorted keys through an index"] = bench(lambda: triton_attention.position_attention(
-        qq, kbp, vbp, qp, kp, scale=d ** -0.5, sorted_keys=True, k_index=perm))
     for bm, w, st in ((64, 8, 2), (64, 4, 3), (128, 8, 3)):
         try:                                    # (128, 8, 3) needs 257 KB of shared memory: over the H200's 227 KB
             times[f"triton sorted bm={bm} warps={w} stages={st}"] = bench(lambda: triton_attention.position_attention(

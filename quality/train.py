@@ -24,9 +24,7 @@ import io
 import json
 import lzma
 import math
-import os
 import sys
-import threading
 import time
 from pathlib import Path
 

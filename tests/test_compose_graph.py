@@ -110,46 +110,6 @@ def test_lowering_tables():
     assert t["qlast"][:6].tolist() == [0, 1, 12, 15, 16, 17] and (t["qlast"][6:] == 0).all()
 
 
-def test_lowering_tables_with_fused_pairs(monkeypatch):
-    """FUSE_PAIRS: a run right before a cached segment stands for both in the chain; the fused segments
-    are listed after the chains (their step table rows name the maps to fold into the runs')."""
-    from hypic.runtime import compose_graph
-    from hypic.runtime.batch import BatchBuilder
-    from hypic.runtime.state import SeqState
-
-    class E:
-        def __init__(self, n):
-            self.cached_tokens = n
-            self.layers = {}
-
-    monkeypatch.setattr(compose_graph, "FUSE_PAIRS", True)
-    b = BatchBuilder("cpu")
-    w = b.add(SeqState(), [("run", [1, 2]), ("apply", E(10)), ("run", [3]), ("apply", E(2)), ("run", [4, 5, 6])])
-    low = lower(w, b.ids, b.pos, conv_width=4, held=0)
-    assert low.shape == ComposeShape(tokens=64, runs=7, entries=2, keys=256, held=0, lmax=16, pairs=2)
-    t = low.tables
-    assert t["order"].tolist() == [2, 3, 4, 5, 6, 7, 8, 0, 1]   # runs 0, 1 fused with entries 0, 1 (listed last)
-    assert t["pairs"].tolist() == [0, 1]
-    assert t["cu_maps"].tolist() == [0, 3, 7]
-
-
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
-def test_fused_pairs_equal_planned_walk(hf_checkpoints, arch, monkeypatch):
-    """The compose pass with runs and segments fused pairwise (compose_graph.FUSE_PAIRS) gives the planned
-    walk's tokens and logits (same bound as unfused: one more fp32 product per pair)."""
-    from hypic.runtime import compose_graph
-
-    monkeypatch.setattr(compose_graph, "FUSE_PAIRS", True)
-    path = hf_checkpoints[arch][1]
-    ref = _one_by_one(LLM(str(path), seam=4, compose="eager"), _prompts(5))
-    llm = LLM(str(path), seam=4, compose="static")
-    got = _one_by_one(llm, _prompts(5))
-    for a, b in zip(ref, got):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
-    assert any(sh.pairs for sh in llm.engine.composer.ready)
-
-
 def test_not_lowered():
     """What goes the planned way: no cached segment, a run longer than MAX_RUN, a
     summarized run (a cold prefill), several requests (the engine checks that)."""

@@ -71,18 +71,6 @@ def test_triton_scan_matches_fp64():
     b1, f1 = scan_dense(init[:1], T, S, cu1, order=order, runs=runs)
     b0, f0 = scan_dense_reference(init[:1].double(), T.double(), S.double(), cu1, order, runs.double())
     assert b1.shape[0] == 16 and rel(b1, b0) < 1e-5 and rel(f1, f0) < 1e-5
-    # seam runs fused with the segment after them (compose_graph.FUSE_PAIRS): T_e [S_j | T_j] + [S_e | 0]
-    from hypic.ops.triton_scan import fuse_pairs
-
-    Tc, Sc = T[[3, 7]].contiguous(), S[[3, 7]].contiguous()
-    addr = torch.tensor([[Tc[i].data_ptr(), Sc[i].data_ptr()] for i in range(2)], dtype=torch.int64, device="cuda")
-    fused = runs.clone()
-    fuse_pairs(fused, torch.tensor([1, 3], device="cuda"), addr)
-    for i, j in enumerate((1, 3)):
-        want = torch.cat([Tc[i].double() @ runs[j, ..., :32].double() + Sc[i].double(),
-                          Tc[i].double() @ runs[j, ..., 32:].double()], -1)
-        assert rel(fused[j], want) < 1e-5
-    assert torch.equal(fused[[0, 2]], runs[[0, 2]])
 
 
 @cuda
@@ -161,7 +149,7 @@ def test_engine_bf16_cuda_matches_cpu_reference():
 
 
 @cuda
-def test_cuda_graph_compose_matches_eager_buffers(monkeypatch):
+def test_cuda_graph_compose_matches_eager_buffers():
     """The captured compose pass replays the same kernels as the fixed buffers run eagerly; warm
     requests of one shape replay one graph."""
     from hypic import LLM, Prompt, SamplingParams
@@ -192,15 +180,6 @@ def test_cuda_graph_compose_matches_eager_buffers(monkeypatch):
     for a, b in zip(pieces[1:], eager[1:]):
         assert a.token_ids == b.token_ids
         assert rel(a.logits, b.logits) < 1e-3
-    # seam runs fused with their segments (one more fp32 product per pair; other kernels: the bf16 bound)
-    from hypic.runtime import compose_graph
-
-    monkeypatch.setattr(compose_graph, "FUSE_PAIRS", True)
-    eng.composer = GraphCompose(eng.model, "cuda", torch.bfloat16, graphs=True)
-    fused = [llm.generate([p], sp)[0] for p in ps]
-    assert eng.composer.replays == 2 and any(sh.pairs for sh in eng.composer.ready)
-    for a, b in zip(fused, eager):
-        assert rel(a.logits[0], b.logits[0]) < 2e-2
 
 
 @cuda
@@ -324,14 +303,6 @@ for m in order.tolist():                       # the step table: cached maps by 
 steps = torch.tensor(rows, dtype=torch.int64)
 b1, f1 = triton_scan.scan_steps(init, steps, cu, runs, E + N)
 assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6
-pairs = torch.tensor([2, 0])                   # runs 2 and 0 fused with the maps of entries 1 and 2
-fused = runs.clone()
-addr = torch.tensor([[Ts[1].data_ptr(), Ss[1].data_ptr()], [Ts[2].data_ptr(), Ss[2].data_ptr()]], dtype=torch.int64)
-triton_scan.fuse_pairs(fused, pairs, addr, block=16)
-for p_, e_ in ((2, 1), (0, 2)):
-    want_ = torch.cat([T[e_].double() @ runs[p_, ..., :V].double() + S[e_].double(), T[e_].double() @ runs[p_, ..., V:].double()], -1)
-    assert rel(fused[p_], want_) < 1e-6
-assert torch.equal(fused[[1, 3]], runs[[1, 3]])
 from hypic.ops import triton_attention
 from hypic.ops.reference import position_attention
 for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):
@@ -353,11 +324,6 @@ for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):
         o3 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, block_n=16,
                                                  splits=splits)
         assert rel(o3, o2) < 1e-6, (nq, splits)
-        perm = torch.randperm(nk)                  # the keys in that order, read through the index
-        o4 = triton_attention.position_attention(q, k[torch.argsort(perm)], v[torch.argsort(perm)], qp2, kp2,
-                                                 scale=d ** -0.5, sorted_keys=True, block_n=16, splits=splits,
-                                                 k_index=perm)
-        assert rel(o4, o2) < 1e-6, (nq, splits)
 from hypic.ops.triton_summary import summary
 from hypic.ops.reference import recurrent_gated_delta_summary
 lens = [3, 8, 16, 1]
@@ -395,18 +361,11 @@ for comp in ("eager", "static"):
 assert llm.engine.composer.runs == len(ps) and "steps" in next(iter(llm.engine.composer.ready.values()))[0].layers[0]
 for a, b in zip(out["eager"], out["static"]):
     assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
-from hypic.runtime import compose_graph
-def same_as_eager(fuse):
-    compose_graph.FUSE_PAIRS = fuse
-    llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
-    for a, p in zip(out["eager"], ps):
-        b = llm.generate([p], sp)[0]
-        assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
-    assert any(sh.pairs for sh in llm.engine.composer.ready) == fuse
-same_as_eager(True)                            # runs fused with the segments after them (the fuse kernel)
-fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary", "fuse"))   # kernels that could
-same_as_eager(True)                                                                      # not be built:
-same_as_eager(False)                                                                     # PyTorch forms
+fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary"))   # kernels that could not
+llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
+for a, p in zip(out["eager"], ps):
+    b = llm.generate([p], sp)[0]
+    assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1")

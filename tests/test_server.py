@@ -2,8 +2,6 @@
 official openai client and by raw HTTP."""
 
 import asyncio
-import json
-import os
 import signal
 import socket
 import subprocess

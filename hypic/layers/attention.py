@@ -121,8 +121,8 @@ class AttentionMixer(nn.Module):
         c.outputs[self.layer_idx] = (keys, values)
         # attended in position order (keys[kperm]): query i sees the ordered keys 0..qlast[i] (a prefix: the
         # fast kernel walks only the blocks before it), keys no query may see last. Gathered copies, not read
-        # through kperm in the kernel (`k_index`): the index load before each key block stalls its pipeline
-        # (H200 run 15: 0.75 ms per call through the index, 0.51 ms on gathered keys; the two copies ~0.04 ms)
+        # through kperm in the kernel: the index load before each key block stalled its pipeline (H200 run 15:
+        # 0.75 ms per call through the index, 0.51 ms on gathered keys; the two copies ~0.04 ms)
         out = self.ops.position_attention(q, keys[c.kperm], values[c.kperm], c.qlast, c.kidx, scale=self.scale,
                                           sorted_keys=True)
         return self.output(x, out, extra)

@@ -190,31 +190,6 @@ class LinearMixer(nn.Module):
                 last, t = low.tail_rows[-1]
                 torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
 
-    def _fuse_pairs(self, aug, buf, c) -> None:
-        """The runs that a cached segment follows take the pair's map, in place (compose_graph.FUSE_PAIRS):
-        [S_j | T_j] <- [T_e S_j + S_e | T_e T_j]. The Triton kernel reads T_e and S_e by the addresses in
-        the step table's rows after the chains; else the stacked maps."""
-        from ..compose.scan import stack_dense
-        from ..ops.fast import kernel_failed, triton_kernel
-
-        sh = c.shape
-        tail = slice(sh.entries + sh.runs - sh.pairs, sh.entries + sh.runs)
-        kern = triton_kernel("fuse") if "steps" in buf else None
-        if kern is not None:
-            try:
-                return kern(aug, c.pairs, buf["steps"][tail])
-            except Exception as e:
-                kernel_failed("fuse", e)
-        if "steps" in buf:
-            T, S = stack_dense([(p.T, p.S) for p in buf["parts"]])
-        else:
-            T, S = buf["T"], buf["S"]
-        ent = c.order[tail].long()
-        v = S.shape[-1]
-        new = T[ent] @ aug[c.pairs]
-        new[..., :v] += S[ent]
-        aug[c.pairs] = new
-
     def _step_columns(self, low):
         """The step table's columns every layer of this state shape shares, made once per request: is_run,
         each run's byte offset in the runs' [S | T], each cached map's entry index, and (is_run, slot,
@@ -269,8 +244,6 @@ class LinearMixer(nn.Module):
                                  short=True, init_augmented=True, max_len=sh.lmax)
         # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
         aug = aug.float().contiguous()
-        if sh.pairs:
-            self._fuse_pairs(aug, buf, c)
         final = None
         if "steps" in buf and triton_kernel("steps") is not None:
             # FUSE_CORRECTION: the scan corrects the runs' outputs in place as it reaches each run (its initial

@@ -9,7 +9,6 @@ seam of w >= W-1 tokens makes the cached tokens' conv inputs exactly their isola
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..compose.transition import Form, Transition

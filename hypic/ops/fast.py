@@ -55,8 +55,7 @@ def _fla_conv():
 # this backend's own Triton kernels (module, function under hypic.ops), each with a PyTorch form beside it
 _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": ("triton_summary", "summary"),
             "chunk_summary": ("triton_summary", "chunk_summary"),
-            "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps"),
-            "fuse": ("triton_scan", "fuse_pairs")}
+            "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
@@ -277,14 +276,12 @@ _MASK_BYTES = 1 << 28          # the largest [queries, keys] mask one SDPA call 
 _SCORES_BYTES = 1 << 30        # few queries over many keys: explicit fp32 scores up to this size
 
 
-def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False,
-                       k_index=None):
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False):
     """SDPA behind the reference signature. contiguous: the keys are in position order, at consecutive
     positions, and end with the queries' own tokens (a fresh sequence: keys == queries; or a request
     continuing a cached prefix): causal attention aligned at the bottom right, which flash serves
     without a mask (masks of [queries, keys] for long prefix continuations cost more than the attention).
-    sorted_keys: k_pos is non-decreasing (the Triton kernel then walks each query block's visible prefix only).
-    k_index: the keys are k[k_index], v[k_index] in that order (the Triton kernel reads them through it)."""
+    sorted_keys: k_pos is non-decreasing (the Triton kernel then walks each query block's visible prefix only)."""
     nq, h, d = q.shape
     nk, (hkv, dv) = k_pos.shape[0], v.shape[1:]
     if h % hkv:
@@ -298,12 +295,9 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     if kern is not None:
         # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped
         try:
-            return kern(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale, sorted_keys=sorted_keys,
-                        k_index=k_index)
+            return kern(q, k.to(q.dtype), v.to(q.dtype), q_pos, k_pos, scale=scale, sorted_keys=sorted_keys)
         except Exception as e:
             kernel_failed("attention", e)
-    if k_index is not None:
-        k, v = k[k_index], v[k_index]
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                  # [1, Hkv, Nk, D]
     if contiguous and nq == nk:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, is_causal=True, scale=scale,

@@ -29,16 +29,12 @@ from .triton_scan import _sm_count
 
 
 @triton.jit
-def _block(qb, qp, m_i, l_i, acc, k, v, kpos, kidx, cols, n1, hk, scale, d, dv, HKV: tl.constexpr, D: tl.constexpr,
-           DV: tl.constexpr, INDEXED: tl.constexpr):
-    """One block of keys into the online softmax of the rows: (m, l, acc) updated. INDEXED: key j of
-    the order is row kidx[j] of k and v (read in place, not gathered first)."""
+def _block(qb, qp, m_i, l_i, acc, k, v, kpos, cols, n1, hk, scale, d, dv, HKV: tl.constexpr, D: tl.constexpr,
+           DV: tl.constexpr):
+    """One block of keys into the online softmax of the rows: (m, l, acc) updated."""
     col_ok = cols < n1
     kp = tl.load(kpos + cols, mask=col_ok, other=0)
-    if INDEXED:
-        kr = tl.load(kidx + cols, mask=col_ok, other=0).to(tl.int64)
-    else:
-        kr = cols.to(tl.int64)
+    kr = cols.to(tl.int64)
     kb = tl.load(k + (kr * HKV + hk)[:, None] * D + d[None, :], mask=col_ok[:, None] & (d < D)[None, :],
                  other=0.0)
     s = tl.dot(qb, tl.trans(kb)) * scale
@@ -55,10 +51,10 @@ def _block(qb, qp, m_i, l_i, acc, k, v, kpos, kidx, cols, n1, hk, scale, d, dv, 
 
 
 @triton.jit
-def _partial_kernel(q, k, v, qpos, kpos, kidx, acc_out, m_out, l_out, Nq, Nk, per_split, blocks, scale,
+def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_split, blocks, scale,
                     H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                     BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    SORTED: tl.constexpr, STAGES: tl.constexpr, INDEXED: tl.constexpr):
+                    SORTED: tl.constexpr, STAGES: tl.constexpr):
     pid_m = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -91,13 +87,13 @@ def _partial_kernel(q, k, v, qpos, kpos, kidx, acc_out, m_out, l_out, Nq, Nk, pe
         n1 = tl.minimum(n1, lo)
         if STAGES > 1:                                   # a pipelined loop (the interpreter cannot range over it)
             for it in tl.range(0, tl.cdiv(n1 - n0, BN), num_stages=STAGES):
-                m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, kidx, n0 + it * BN + tl.arange(0, BN), n1,
-                                       hk, scale, d, dv, HKV, D, DV, INDEXED)
+                m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, n0 + it * BN + tl.arange(0, BN), n1,
+                                       hk, scale, d, dv, HKV, D, DV)
         else:
             n = n0
             while n < n1:
-                m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, kidx, n + tl.arange(0, BN), n1, hk, scale, d,
-                                       dv, HKV, D, DV, INDEXED)
+                m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, n + tl.arange(0, BN), n1, hk, scale, d,
+                                       dv, HKV, D, DV)
                 n += BN
     else:
         # keys in any order: every block of the split, those no row may see skipped
@@ -106,8 +102,7 @@ def _partial_kernel(q, k, v, qpos, kpos, kidx, acc_out, m_out, l_out, Nq, Nk, pe
             cols = n0 + it * BN + tl.arange(0, BN)
             kp = tl.load(kpos + cols, mask=cols < n1, other=qmax + 1)
             if tl.min(kp, axis=0) <= qmax:
-                m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, kidx, cols, n1, hk, scale, d, dv, HKV, D, DV,
-                                                INDEXED)
+                m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, cols, n1, hk, scale, d, dv, HKV, D, DV)
             it += 1
     nrows = Nq * REP
     base = (sp * HKV + hk).to(tl.int64) * nrows
@@ -117,12 +112,11 @@ def _partial_kernel(q, k, v, qpos, kpos, kidx, acc_out, m_out, l_out, Nq, Nk, pe
     tl.store(l_out + out_rows, l_i, mask=row_ok)
 
 
-def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False, k_index=None,
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
                        block_m: int | None = None, block_n: int = 64, splits: int | None = None, warps: int | None = None,
                        stages: int | None = None):
     """q [Nq, H, D], k [Nk, Hkv, D], v [Nk, Hkv, Dv] (one dtype), q_pos [Nq], k_pos [Nk] int64 ->
-    [Nq, H, Dv] in q's dtype. k_index [Nk] (optional): the keys are k[k_index], v[k_index] in that order
-    (read through the index, never gathered). sorted_keys: k_pos is non-decreasing (each row block walks
+    [Nq, H, Dv] in q's dtype. sorted_keys: k_pos is non-decreasing (each row block walks
     only the prefix of keys it may see, in a pipelined loop). No host sync (CUDA-graph safe): the split count comes from
     the shapes. Block sizes, warps, stages: the fastest of gpu_check's run-13 timings (256 queries x 33k
     keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter."""
@@ -144,9 +138,9 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     m = q.new_empty((splits, hkv, nrows), dtype=torch.float32)
     l = torch.empty_like(m)
     _partial_kernel[(mblocks, hkv, splits)](
-        q, k, v, q_pos, k_pos, k_pos if k_index is None else k_index, acc, m, l, nq, nk, per, per // block_n, scale, H=h, HKV=hkv, REP=rep, D=d, DV=dv,
+        q, k, v, q_pos, k_pos, acc, m, l, nq, nk, per, per // block_n, scale, H=h, HKV=hkv, REP=rep, D=d, DV=dv,
         BD=max(16, triton.next_power_of_2(d)), BDV=max(16, triton.next_power_of_2(dv)), BM=block_m, BN=block_n,
-        SORTED=sorted_keys, STAGES=stages if sorted_keys else 1, INDEXED=k_index is not None, num_warps=warps,
+        SORTED=sorted_keys, STAGES=stages if sorted_keys else 1, num_warps=warps,
         num_stages=stages)
     w = torch.exp(m - m.amax(0, keepdim=True))                   # splits a row cannot see: m = -inf, w = 0
     out = (acc * w[..., None]).sum(0) / (l * w).sum(0)[..., None]   # [Hkv, Nq * rep, Dv]

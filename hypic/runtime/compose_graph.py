@@ -14,9 +14,7 @@ once, on the host, to device tables, and the forward becomes a pure function of 
                E..E+R-1 the runs' zero-start summaries (read where the kernel wrote them); order [E + R] lists
                the slots in sequence order, then the pad runs as a second chain from zero (cu_maps
                [0, E + R_real, E + R]): the first chain's final state is the request's, and every
-               pad run gets a finite initial state without lengthening the request's chain. With
-               FUSE_PAIRS a run followed by a cached segment is one step (pairs [P]: those runs,
-               whose maps take the segment's before the scan; the segments are listed after the chains)
+               pad run gets a finite initial state without lengthening the request's chain
     conv       one source buffer per linear layer: the initial window, the entries' tails packed,
                then the active raw inputs; conv_idx [Np, W] names each token's W inputs in it
     linear     the initial state [1, H, K, V] (the request's, after a cached prefix; else zero)
@@ -56,8 +54,6 @@ log = logging.getLogger("hypic.compose")
 MAX_RUN = 256           # longest run the lowering takes (longer: the planned walk's chunked kernel)
 SUB_RUN = 16            # the pieces a run is cut into (one map more in the chain per piece)
 MAX_TOKENS = 2048       # most active tokens
-FUSE_PAIRS = False      # a run followed by a cached segment is one chain step (its map fused with the segment's
-                        # before the scan: 20 fewer sequential steps in the 35B benchmark; not measured on a GPU yet)
 _NEVER = 1 << 62        # the mask position of a key no query may see
 
 
@@ -69,7 +65,6 @@ class ComposeShape:
     keys: int           # Kc bucket: cached keys per attention layer
     held: int           # P bucket: keys the request holds before the pass (a cached prefix)
     lmax: int           # longest run, padded (the readout correction's row count)
-    pairs: int = 0      # runs fused with the cached segment after them (FUSE_PAIRS)
 
 
 def _round(n: int, step: int) -> int:
@@ -118,28 +113,18 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     lens = [p.n for p in runs] + pads
     lmax = _round(max(lens), 8)
     kc = sum(p.entry.cached_tokens for p in applies)
-    # the chain in sequence order (storage: entries 0..E-1, runs E..E+R-1), the pad runs last; with
-    # FUSE_PAIRS a run right before a cached segment stands for both (the segment's map folded into the
-    # run's before the scan), and the fused segments are listed after the chains (in no chain: their step
-    # table rows name the segments' T and S for the fusion)
-    order, fused_runs, fused_entries, ei, ri, prev = [], [], [], 0, 0, None
+    # the chain in sequence order (storage: entries 0..E-1, runs E..E+R-1), the pad runs last
+    order, ei, ri = [], 0, 0
     for p in pieces:
         if isinstance(p, Apply):
-            if FUSE_PAIRS and prev is not None:
-                fused_runs.append(prev)
-                fused_entries.append(ei)
-            else:
-                order.append(ei)
+            order.append(ei)
             ei += 1
-            prev = None
         else:
             order.append(e + ri)
-            prev = ri
             ri += 1
     main = len(order)                                # the request's chain; the pad runs: a second one
     order.extend(range(e + ri, e + r))
-    order.extend(fused_entries)
-    shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax, len(fused_runs))
+    shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax)
 
     # host tables in numpy (single-threaded: small torch CPU ops cost a thread-pool wake-up each), handed
     # over as tensors without a copy
@@ -207,7 +192,7 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     t = torch.from_numpy
     tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), cu=t(cu),
                   cu_maps=torch.tensor([0, main, main + r - ri], dtype=torch.int32),
-                  order=torch.tensor(order, dtype=torch.int32), pairs=torch.tensor(fused_runs, dtype=torch.long),
+                  order=torch.tensor(order, dtype=torch.int32),
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
         tables.update(conv_idx=t(conv_idx), window=t(window))
@@ -266,7 +251,7 @@ class ComposeBuffers:
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.ids, self.positions, self.logits_index = z(np_), z(np_), z(1)
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
-        self.cu_maps, self.order, self.pairs = z(3, dt=torch.int32), z(e + r, dt=torch.int32), z(shape.pairs)
+        self.cu_maps, self.order = z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
         self.kpos, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(np_)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices

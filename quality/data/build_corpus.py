@@ -39,7 +39,6 @@ import hashlib
 import io
 import json
 import lzma
-import os
 import random
 import re
 import subprocess

@@ -14,13 +14,9 @@ from __future__ import annotations
 import torch
 
 
-def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False,
-                       k_index=None):
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False):
     """contiguous, sorted_keys (hints the fast backend uses; the mask here is the same either way): the keys
-    are exactly the queries' tokens, in position order; k_pos is non-decreasing. k_index: the keys are
-    k[k_index], v[k_index] (k_pos gives their positions in that order)."""
-    if k_index is not None:
-        k, v = k[k_index], v[k_index]
+    are exactly the queries' tokens, in position order; k_pos is non-decreasing."""
     h, hkv = q.shape[1], k.shape[1]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
