@@ -580,7 +580,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     load_format: str = "auto"          # "auto" (safetensors) | "dummy" (random weights at full size)
-    seed: int = 0
+    seed: int = 0                      # dummy weights: drawn on `device` (a 35B model is not drawn on the host), so
+                                       # one seed gives other weights on CUDA than on the CPU
     policy: CachePolicy = CachePolicy()
     segment_cache_bytes: int = 4 << 30
     prefix_cache_bytes: int = 4 << 30
