@@ -94,7 +94,8 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     Triton kernel, one small-matmul chunk per run; else the token-by-token Triton kernel (the identity
     made in registers); else fla's fused recurrent kernel from a cached [0 | I] (device lengths: no host
     sync); else the reference. Under autograd the reference: the kernels have no backward."""
-    if triton_here(q) and not needs_grad(q, k, v, g, beta):
+    kernels = not needs_grad(q, k, v, g, beta)
+    if kernels and triton_here(q):
         from .triton_summary import CHUNK_MAX
 
         tries = [("summary", {})]
@@ -109,7 +110,7 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
                             **kw)
             except Exception as e:
                 kernel_failed(name, e)
-    if q.is_cuda and _fla() is not None and not needs_grad(q, k, v, g, beta):
+    if kernels and q.is_cuda and _fla() is not None:
         r = cu_seqlens.shape[0] - 1
         hv, dv, dk = v.shape[-2], v.shape[-1], k.shape[-1]
         key = (r, hv, dk, dv, str(q.device))
