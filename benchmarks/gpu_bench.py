@@ -174,6 +174,52 @@ def decode_bench(llm, prompts, steps: int, batches=(1, 8)):
     return out
 
 
+def ts_rows(model, ids, args, res):
+    """The cost of (T, S) in an isolated segment prefill: the segment as one plain run against its seam window
+    plus the summarized rest (what prefill/isolated.py runs), side by side; with the transition through fla's
+    whole pipeline on appended columns (fast.TRANSITION_STAGES = False, the form before run 20) as a third row."""
+    from hypic.ops import fast as _fast
+
+    over = {}
+    for n in ((512, 2048, 8192) if DEV == "cuda" else (64, 128)):
+        toks = ids(n)
+
+        def run(summarize: bool):
+            b = BatchBuilder(DEV)
+            items = ([("run", toks[:8]), ("run", toks[8:], {"summarize": True})] if summarize else [("run", toks)])
+            b.add(SeqState(capacity_hint=n), items, logits="none")
+            model(b.build())
+
+        def whole():
+            _fast.TRANSITION_STAGES = False
+            try:
+                run(True)
+            finally:
+                _fast.TRANSITION_STAGES = True
+
+        plain = timed(lambda: run(False), args.reps + 2)[0]
+        summ = timed(lambda: run(True), args.reps + 2)[0]
+        old = timed(whole, args.reps + 2)[0]
+        plain2 = timed(lambda: run(False), args.reps + 2)[0]          # the plain row again: the host's drift
+        over[n] = dict(plain_s=plain, summarized_s=summ, overhead=summ / plain - 1, appended_columns_s=old,
+                       appended_columns_overhead=old / plain - 1, plain_again_s=plain2)
+        if DEV == "cuda":              # the same on the device alone (the short rows are host-bound)
+            gp, gs, go = gpu_ms(lambda: run(False)), gpu_ms(lambda: run(True)), gpu_ms(whole)
+            over[n].update(plain_gpu_ms=gp, summarized_gpu_ms=gs, gpu_overhead=gs / gp - 1, appended_columns_gpu_ms=go,
+                           appended_columns_gpu_overhead=go / gp - 1)
+        print(f"(T, S) overhead at {n}: plain {plain * 1e3:.1f} ms (again {plain2 * 1e3:.1f}), with summaries "
+              f"{summ * 1e3:.1f} ms -> {(summ / plain - 1) * 100:.1f}%; appended columns {old * 1e3:.1f} ms -> "
+              f"{(old / plain - 1) * 100:.1f}%" + (
+                  f"; kernels {over[n]['plain_gpu_ms']:.1f} -> {over[n]['summarized_gpu_ms']:.1f} ms, "
+                  f"{over[n]['gpu_overhead'] * 100:+.1f}% (appended columns {over[n]['appended_columns_gpu_ms']:.1f} ms, "
+                  f"{over[n]['appended_columns_gpu_overhead'] * 100:+.1f}%)" if DEV == "cuda" else ""), flush=True)
+        if args.profile_ts and n in (512, 8192, 128):
+            profile(f"isolated prefill {n}, plain", lambda: run(False))
+            profile(f"isolated prefill {n}, summarized", lambda: run(True))
+    res["ts_overhead"] = over
+    return over
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="8192,32768")
@@ -189,6 +235,10 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--preset", default="qwen3.5-35b-a3b")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a tiny preset")
+    ap.add_argument("--all-variants", action="store_true", help="also the compose variants of runs 16-19")
+    ap.add_argument("--ts-first", action="store_true", help="the (T, S) rows first (then the rest)")
+    ap.add_argument("--ts-only", action="store_true", help="only the (T, S) rows")
+    ap.add_argument("--profile-ts", action="store_true", help="profiler tables of the isolated prefill rows")
     args = ap.parse_args()
     global DEV
     DEV = args.device
@@ -258,6 +308,13 @@ def main():
     if args.quick:
         quick(llm, args, ids, ttft, res)
         return
+    if args.ts_first or args.ts_only:
+        ts_rows(llm.engine.model, ids, args, res)
+        if args.ts_only:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "gpu_bench.json").write_text(json.dumps(res, indent=1, default=str))
+            return
     res["full_prefill"] = {}
     llm.set_policy("full", 0)
     for n in sizes:
@@ -322,8 +379,21 @@ def main():
         def pieces(n):
             comp.pieces = n
 
-        for name, setup, undo in (("correction_after_scan", lambda: fused(False), lambda: fused(True)),
-                                  ("graph_in_4_pieces", lambda: pieces(4), lambda: pieces(1))):
+        from hypic.ops import triton_scan as _ts
+
+        def prefetch(v):
+            _ts.PREFETCH = v
+            _ts.TUNED.clear()
+
+        variants = [("scan_plain_loop_only", lambda: prefetch(False), lambda: prefetch(None)),
+                    ("scan_hand_prefetch_only", lambda: prefetch(True), lambda: prefetch(None))]
+        if args.all_variants:
+            variants += [("correction_after_scan", lambda: fused(False), lambda: fused(True)),
+                         ("graph_in_4_pieces", lambda: pieces(4), lambda: pieces(1))]
+        print(f"scan tuner picks (default: both loops tried): "
+              f"{ {k: v[0] for k, v in _ts.TUNED.items()} }", flush=True)
+        rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in _ts.TUNED.items()}
+        for name, setup, undo in variants:
             setup()
             comp.clear()
             var_ts = []
@@ -418,29 +488,7 @@ def main():
     llm.clear_cache()
     (torch.cuda.empty_cache() if DEV == 'cuda' else None)
 
-    # -- the cost of (T, S) in an isolated segment prefill ------------------------------------------------
-    over = {}
-    for n in ((512, 2048, 8192) if DEV == "cuda" else (64, 128)):
-        toks = ids(n)
-
-        def run(summarize: bool):
-            b = BatchBuilder(DEV)
-            items = ([("run", toks[:8]), ("run", toks[8:], {"summarize": True})] if summarize else [("run", toks)])
-            b.add(SeqState(capacity_hint=n), items, logits="none")
-            model(b.build())
-
-        plain = timed(lambda: run(False), args.reps + 2)[0]
-        summ = timed(lambda: run(True), args.reps + 2)[0]
-        over[n] = dict(plain_s=plain, summarized_s=summ, overhead=summ / plain - 1)
-        if DEV == "cuda":              # the same on the device alone (the short rows are host-bound)
-            gp, gs = gpu_ms(lambda: run(False)), gpu_ms(lambda: run(True))
-            over[n].update(plain_gpu_ms=gp, summarized_gpu_ms=gs, gpu_overhead=gs / gp - 1)
-        print(f"(T, S) overhead at {n}: plain {plain * 1e3:.1f} ms, with summaries {summ * 1e3:.1f} ms -> "
-              f"{(summ / plain - 1) * 100:.1f}%" + (f"; kernels {over[n]['plain_gpu_ms']:.1f} -> "
-                                                  f"{over[n]['summarized_gpu_ms']:.1f} ms, "
-                                                  f"{over[n]['gpu_overhead'] * 100:+.1f}%" if DEV == "cuda" else ""),
-              flush=True)
-    res["ts_overhead"] = over
+    over = res.get("ts_overhead") or ts_rows(model, ids, args, res)
 
     # -- table -----------------------------------------------------------------------------------------
     print("\n| measurement | hypic | peer | ratio | bar |")
@@ -465,6 +513,8 @@ def main():
     for n, e in over.items():
         print(f"| (T, S) overhead, {n}-token segment | {e['summarized_s'] * 1e3:.1f} ms | plain {e['plain_s'] * 1e3:.1f} ms "
               f"| {e['overhead'] * 100:.1f}% | <= 5% |")
+        print(f"| (T, S) overhead, {n}-token segment, appended columns (before) | {e['appended_columns_s'] * 1e3:.1f} ms "
+              f"| plain {e['plain_s'] * 1e3:.1f} ms | {e['appended_columns_overhead'] * 100:.1f}% | |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for e in res["full_prefill"].values():

@@ -106,6 +106,15 @@ def check_ops(dev):
     s_ref, t_ref = split_augmented(sa0, v.shape[-1])
     row("fla chunk GDN augmented: T", rel(torch.stack([t.t for t in t_fast]), torch.stack([t.t for t in t_ref])), 2e-2)
     row("fla chunk GDN augmented: S_out equals plain call", rel(s_fast, s1), 1e-5)
+    # the isolated prefill's form: T through fla's state passing only (fast.chunk_gated_delta_transition)
+    kt = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, initial_state=init)
+    ot, st, tt = fast.chunk_gated_delta_transition(q, k, v, **kt)
+    row("fla stages, transition: outputs", rel(ot, o0), 2e-2)
+    row("fla stages, transition: final state", rel(st, s0), 2e-2)
+    row("fla stages, transition: T", rel(tt, torch.stack([t.t for t in t_ref])), 2e-2)
+    # the same state-passing kernel on the same w; other autotuned tiles may round h (bf16) differently
+    row("fla stages, transition: T vs the appended-columns pipeline's",
+        rel(tt, torch.stack([t.t for t in t_fast])), 1e-3)
     # decode: one token per sequence
     dl = [1] * 8
     q, k, v, gate, beta, cu, init = gdn_inputs(dl, dev=dev, seed=1)
@@ -311,9 +320,11 @@ def check_scan(dev):
     bt, ft = triton_scan.scan_steps(one_init, steps, cu_t, runs, 42)
     b0, f0 = scan_dense_reference(one_init.double(), one_T.double(), one_S.double(), [0, 42], order)
     row("Triton scan, step-table form (compose pass) vs fp64", rel(ft, f0), 1e-5)
-    for bv, w, st in triton_scan._CONFIGS:
-        one[f"step table bv={bv} warps={w} stages={st}"] = bench(
-            lambda: triton_scan.scan_steps(one_init, steps, cu_t, runs, 42, bv=bv, warps=w, stages=st))
+    bp, fp = triton_scan.scan_steps(one_init, steps, cu_t, runs, 42, prefetch=True)
+    row("Triton scan, step table, hand-pipelined loop vs fp64", rel(fp, f0), 1e-5)
+    for bv, w, st, pf in triton_scan._STEP_CONFIGS:
+        one[f"step table bv={bv} warps={w} stages={st} prefetch={pf}"] = bench(
+            lambda: triton_scan.scan_steps(one_init, steps, cu_t, runs, 42, bv=bv, warps=w, stages=st, prefetch=pf))
     one["step table (tuned)"] = bench(lambda: triton_scan.scan_steps(one_init, steps, cu_t, runs, 42))
     # with the readout correction fused: 22 runs of 16 tokens, o_t += S0^T u_t written in place
     lens = torch.full((22,), 16)
@@ -327,6 +338,9 @@ def check_scan(dev):
     s0 = b0[20:].float()[run_of]                                         # each token's run's initial state
     want = outs[..., :128].double() + torch.einsum("nhk,nhkv->nhv", outs[..., 128:].double(), s0.double())
     row("Triton scan with the readout correction fused vs fp64", rel(got[..., :128], want), 2e-2)
+    got_p = outs.clone()
+    triton_scan.scan_steps(one_init, steps6, cu_t, runs, 42, outputs=got_p, max_run=16, prefetch=True)
+    row("the same, hand-pipelined loop vs fp64", rel(got_p[..., :128], want), 2e-2)
     one["step table + fused correction"] = bench(lambda: triton_scan.scan_steps(
         one_init, steps6, cu_t, runs, 42, outputs=outs.clone(), max_run=16))
     for k, v in one.items():

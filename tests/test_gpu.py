@@ -51,6 +51,35 @@ def test_fla_gated_delta_rule_matches_reference():
 
 
 @cuda
+@pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
+def test_fla_transition_stages_match_reference():
+    """The isolated prefill's summary on fla's stages (the transition through the state passing only) against
+    the fp32 reference, and against the same through fla's whole pipeline on appended columns: bf16 operands
+    (the bound of the chunk check above); the two fla forms run the same state-passing kernel on the T
+    columns, so they agree to its rounding."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    lens = [70, 200, 1]
+    n, h, hv, dk, dv = sum(lens), 2, 4, 64, 32
+    q = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, n, hv, dv, device="cuda", generator=g).bfloat16()
+    gate = torch.empty(1, n, hv, device="cuda").uniform_(0.9, 0.999, generator=g).log()
+    beta = torch.rand(1, n, hv, device="cuda", generator=g).bfloat16()
+    init = torch.randn(len(lens), hv, dk, dv, device="cuda", generator=g) * 0.1
+    cu = torch.tensor([0] + lens).cumsum(0)
+    kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, initial_state=init)
+    want = ref.chunk_gated_delta_transition(q.float(), k.float(), v.float(), **kw)
+    got = fast.chunk_gated_delta_transition(q, k, v, **kw)
+    fast.TRANSITION_STAGES = False
+    try:
+        whole = fast.chunk_gated_delta_transition(q, k, v, **kw)
+    finally:
+        fast.TRANSITION_STAGES = True
+    for a, b, c in zip(got, want, whole):
+        assert a.shape == b.shape and rel(a, b) < 2e-2 and rel(a, c) < 1e-2
+
+
+@cuda
 def test_triton_scan_matches_fp64():
     pytest.importorskip("triton")
     from hypic.compose.scan import scan_dense, scan_dense_reference
@@ -301,8 +330,18 @@ for m in order.tolist():                       # the step table: cached maps by 
         off = (m - E) * H * K * (V + K) * 4
         rows.append([off, off, 1, m])
 steps = torch.tensor(rows, dtype=torch.int64)
-b1, f1 = triton_scan.scan_steps(init, steps, cu, runs, E + N)
-assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6
+for pf in (False, True):                        # the plain loop and the hand-pipelined one
+    b1, f1 = triton_scan.scan_steps(init, steps, cu, runs, E + N, prefetch=pf)
+    assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6, pf
+run_len = 3                                    # with the readout correction fused: runs of 3 tokens
+steps6 = torch.tensor([r + ([(r[3] - E) * run_len, run_len] if r[2] else [0, 0]) for r in rows], dtype=torch.int64)
+outs = torch.randn(N * run_len, H, V + K)
+want = outs[..., :V].double() + torch.einsum("nhk,nhkv->nhv", outs[..., V:].double(),
+                                             b0[E:].double().repeat_interleave(run_len, 0))
+for pf in (False, True):
+    got = outs.clone()
+    triton_scan.scan_steps(init, steps6, cu, runs, E + N, outputs=got, max_run=run_len, prefetch=pf)
+    assert rel(got[..., :V], want) < 1e-6, pf
 from hypic.ops import triton_attention
 from hypic.ops.reference import position_attention
 for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hypic.ops.reference import (causal_conv1d, chunk_gated_delta_rule, experts_forward, position_attention,
-                                 recurrent_gated_delta_rule, route)
+from hypic.ops.reference import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_transition, experts_forward,
+                                 position_attention, recurrent_gated_delta_rule, route)
 
 
 def _inputs(b, t, h, hv, dk, dv, seed=0, decay=0.1):
@@ -43,6 +43,39 @@ def test_varlen_equals_separate_sequences():
                                             use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(o[:, sl], oi, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(s[i : i + 1], si, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fast"])
+def test_chunk_transition_composes_exactly(backend):
+    """chunk_gated_delta_transition: outputs and final state as the plain chunked call from the same initial
+    state, and per run a transition T with final = T @ init + (the final state from zero), T the product of
+    the tokens' own maps exp(g_t) (I - beta_t k_t k_t^T) (k l2-normed). The ops compute in fp32: the bounds are
+    fp32 rounding over ~100 steps (as test_chunk_matches_recurrent).
+    (The fast backend on a CPU takes its appended-columns form; on CUDA its fla stages: tests/test_gpu.py.)"""
+    from hypic.ops import get_backend
+
+    op = get_backend(backend).chunk_gated_delta_transition
+    lens = [5, 70, 130]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, g, beta, _ = _inputs(1, sum(lens), 2, 4, 8, 6, seed=3)
+    s0 = torch.randn(len(lens), 4, 8, 6)
+    o, final, t = op(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    o_ref, f_ref = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                          use_qk_l2norm_in_kernel=True)
+    _, f_zero = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros_like(s0), output_final_state=True,
+                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(final, f_ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(final, t @ s0 + f_zero, atol=2e-5, rtol=1e-5)
+    kn = F.normalize(k.double(), dim=-1).repeat_interleave(2, dim=2)   # 2 key heads -> 4 value heads
+    for i in range(len(lens)):
+        want = torch.eye(8, dtype=torch.float64).expand(4, 8, 8)
+        for j in range(int(cu[i]), int(cu[i + 1])):
+            kj, bj = kn[0, j], beta[0, j].double()
+            step = g[0, j].double().exp()[:, None, None] * (torch.eye(8, dtype=torch.float64) - bj[:, None, None]
+                                                   * kj[:, :, None] * kj[:, None, :])
+            want = step @ want
+        torch.testing.assert_close(t[i].double(), want, atol=2e-5, rtol=1e-5)
 
 
 def test_initial_state_is_not_modified():

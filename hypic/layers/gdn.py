@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compose.transition import Form
+from ..compose.transition import Form, Transition
 from ..config import ModelConfig
 from .linear import LinearMixer, dense_summary_kernel
 
@@ -76,6 +76,14 @@ class GatedDeltaNet(LinearMixer):
         # (short given: the caller knows, and cu may be on the device: reading it would sync)
         if short is None:
             short = int((cu[1:] - cu[:-1]).max()) <= SHORT_RUN
+        if summarize and not readout and not short:
+            # a long run summarized for the cache (an isolated prefill's segment): the transition through the
+            # state passing only (ops chunk_gated_delta_transition)
+            o, final, t = self.ops.chunk_gated_delta_transition(
+                q[None], k[None], v[None], f["g"][None, idx], f["beta"][None, idx], initial_state=init,
+                cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+            own = t.shape[0] > 1                  # entries are cached one by one: no view pinning the batch
+            return o[0], final, [Transition(Form.DENSE, t[i].clone() if own else t[i]) for i in range(t.shape[0])]
         fn = self.ops.recurrent_gated_delta_rule if short else self.ops.chunk_gated_delta_rule
         return dense_summary_kernel(fn, q, k, v, init, cu, summarize, readout, g=f["g"][None, idx],
                                     beta=f["beta"][None, idx], use_qk_l2norm_in_kernel=True)

@@ -217,6 +217,75 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
                         use_qk_l2norm_in_kernel)
 
 
+@functools.lru_cache(maxsize=None)
+def _fla_stages():
+    """fla-core 0.6's forward stages of the chunked gated delta rule (the pipeline inside its
+    chunk_gated_delta_rule), or None where fla is missing or laid out otherwise."""
+    try:
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+    except Exception:
+        return None
+    return l2norm_fwd, chunk_local_cumsum, RCP_LN2, chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_h, \
+        chunk_fwd_o
+
+
+_ZEROS: dict = {}
+TRANSITION_STAGES = True     # False: the transition through fla's whole pipeline on appended columns (gpu_bench)
+
+
+def chunk_gated_delta_transition(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+                                 use_qk_l2norm_in_kernel=False):
+    """The reference signature (ops/reference/gated_delta.py): the chunked recurrence from `initial_state`
+    and each run's transition T. On CUDA with fla, T goes through the state passing only: fla's stages run
+    once for the outputs and the state (cumsum, the chunks' WY factors w and u, the chunk states h, the
+    outputs), then the chunk-state pass once more over the same w from the identity with zero values,
+    whose final state is T. Appending K zero value columns to the whole pipeline (the reference form)
+    also computes their outputs and their WY values, which nothing reads (H200 run 19: (T, S) +9.5% of an
+    8k segment's prefill kernels that way). Elsewhere, or under autograd, the reference form on the
+    fast backend's chunk kernel."""
+    st = _fla_stages() if q.is_cuda and TRANSITION_STAGES else None
+    if st is None or needs_grad(q, k, v, g, beta, initial_state):
+        dv, dk = v.shape[-1], k.shape[-1]
+        r = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        init = (torch.zeros(r, v.shape[-2], dk, dv, device=v.device) if initial_state is None
+                else initial_state.float())
+        va = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], dim=-1)
+        eye = torch.eye(dk, device=v.device).expand(r, v.shape[-2], dk, dk)
+        o, final = chunk_gated_delta_rule(q, k, va, g, beta, scale=scale, initial_state=torch.cat([init, eye], -1),
+                                          output_final_state=True, cu_seqlens=cu_seqlens,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o[..., :dv], final[..., :dv], final[..., dv:]
+    l2norm_fwd, cumsum, rcp_ln2, intra, fwd_h, fwd_o = st
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    dk, hv = k.shape[-1], v.shape[-2]
+    scale = dk ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+    cu, _, chunks = _cu(cu_seqlens, q.device)
+    r = 1 if cu is None else cu.shape[0] - 1
+    init = (torch.zeros(r, hv, dk, v.shape[-1], device=q.device) if initial_state is None
+            else initial_state.float().contiguous())
+    gc = cumsum(g.float().contiguous(), chunk_size=64, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
+    w, u, _ = intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_indices=chunks, chunk_size=64)
+    h, v_new, final = fwd_h(k=k, w=w, u=u, g=gc, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                            chunk_indices=chunks)
+    key = (tuple(w.shape), r, str(q.device), w.dtype)
+    zi = _ZEROS.get(key)
+    if zi is None:                             # read-only: zero values and the identity, per shape
+        if len(_ZEROS) > 8:
+            _ZEROS.clear()
+        zi = _ZEROS[key] = (w.new_zeros(w.shape), torch.eye(dk, device=q.device).expand(r, hv, dk, dk).contiguous())
+    _, _, t = fwd_h(k=k, w=w, u=zi[0], g=gc, initial_state=zi[1], output_final_state=True, save_new_value=False,
+                    cu_seqlens=cu, chunk_indices=chunks)
+    o = fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu, chunk_indices=chunks)
+    return o.to(v.dtype), final, t
+
+
 def _conv_layout(cu: tuple, wm1: int, device):
     """Device index tensors of one varlen conv layout: rows of x, of the windows, of the outputs and of
     the new windows in the padded buffer."""

@@ -92,17 +92,35 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
 
 
 @triton.jit
-def _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H: tl.constexpr,
-                K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr,
-                BT: tl.constexpr):
-    """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
-    S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
-    a_addr) at that byte offset. Without CORRECT, before[slot] <- x for runs; with it, the run's
-    tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's [N, H, V + K]
-    outputs, u_t its last K columns), x being the run's true initial state."""
+def _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
+    """The operands of chain step j (its row of `steps`, W int64 columns: T address or run offset, S address
+    or run offset, is_run, slot[, first token, tokens]): (T [K, K], S [K, BV]). A run's [S | T] lies in A
+    (address a_addr) at that byte offset. They depend on the table only, not on the state: a step's loads
+    can be issued before the previous step's product (PREFETCH)."""
     row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
+    is_run = tl.load(row + 2) != 0
+    base = tl.where(is_run, a_addr, 0)
+    tp = (tv + base).to(tl.pointer_type(tl.float32))
+    sp = (sv + base).to(tl.pointer_type(tl.float32))
+    rs_t = tl.where(is_run, V + K, K)
+    hs_t = tl.where(is_run, K * (V + K), K * K)
+    c_t = tl.where(is_run, V, 0)
+    rs_s = tl.where(is_run, V + K, V)
+    hs_s = tl.where(is_run, K * (V + K), K * V)
+    t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
+    s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
+    return t, s
+
+
+@triton.jit
+def _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
+    """What step j does with the state x before its map: without CORRECT, before[slot] <- x for runs; with it,
+    the run's tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's [N, H, V + K]
+    outputs, u_t its last K columns), x being the run's true initial state."""
+    row = steps + j.to(tl.int64) * W
     is_run = tl.load(row + 2) != 0
     if CORRECT:
         t0 = tl.load(row + 4)
@@ -119,23 +137,12 @@ def _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, 
     else:
         slot = tl.load(row + 3)
         tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
-    base = tl.where(is_run, a_addr, 0)
-    tp = (tv + base).to(tl.pointer_type(tl.float32))
-    sp = (sv + base).to(tl.pointer_type(tl.float32))
-    rs_t = tl.where(is_run, V + K, K)
-    hs_t = tl.where(is_run, K * (V + K), K * K)
-    c_t = tl.where(is_run, V, 0)
-    rs_s = tl.where(is_run, V + K, V)
-    hs_s = tl.where(is_run, K * (V + K), K * V)
-    t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
-    s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
-    return tl.dot(t, x, input_precision=PREC) + s
 
 
 @triton.jit
 def _scan_steps_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                       W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
+                       W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr, PREFETCH: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -149,15 +156,30 @@ def _scan_steps_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H
     x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     j0 = tl.load(cu + r)
     j1 = tl.load(cu + r + 1)
-    if STAGES > 1:
+    if PREFETCH:
+        # software pipelining by hand: step j+1's T and S (64 KB + 16 KB per program) are loaded while step j's
+        # product runs; the chain's latency was the loads' (H200 run 19: ~7.8 us per step against ~2 us of bytes
+        # and products). The last step loads its own operands again (clamped index, unused).
+        last = tl.maximum(j1 - 1, 0)
+        t, s = _chain_load(tl.minimum(j0, last), steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
+        j = j0
+        while j < j1:
+            tn, sn = _chain_load(tl.minimum(j + 1, last), steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
+            _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
+            x = tl.dot(t, x, input_precision=PREC) + s
+            t, s = tn, sn
+            j += 1
+    elif STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            x = _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC,
-                            W, CORRECT, BT)
+            t, s = _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
+            _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
+            x = tl.dot(t, x, input_precision=PREC) + s
     else:
         j = j0
         while j < j1:
-            x = _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC,
-                            W, CORRECT, BT)
+            t, s = _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
+            _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
+            x = tl.dot(t, x, input_precision=PREC) + s
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
@@ -173,6 +195,10 @@ def _sm_count(device) -> int:
 
 # (value block, warps, pipeline stages) tried on a shape's first eager call; the first is the run-12 default
 _CONFIGS = ((32, 8, 1), (64, 8, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 2))
+# the step-table scan also tries the hand-pipelined loop (the next step's T and S loaded during this step's
+# product): (value block, warps, stages, prefetch)
+_STEP_CONFIGS = tuple(c + (False,) for c in _CONFIGS) + ((32, 8, 1, True), (64, 8, 1, True), (32, 4, 1, True))
+PREFETCH: bool | None = None     # None: the tuner picks among both loops; True / False: only that one (gpu_bench)
 TUNED: dict = {}              # shape key -> (bv, warps, stages), with the timings (benchmarks print them)
 
 
@@ -183,7 +209,7 @@ def _default(r: int, h: int, v: int, device) -> tuple[int, int, int]:
     return (32 if r * h * triton.cdiv(v, 64) < _sm_count(device) // 2 else 64), 8, 1
 
 
-def _tuned(key, device, launch, fallback, out) -> tuple[int, int, int]:
+def _tuned(key, device, launch, fallback, out, configs=_CONFIGS) -> tuple:
     """The fastest configuration for this shape (timed once); one whose result differs from the first
     configuration's by more than 1e-5 relative is never chosen."""
     hit = TUNED.get(key)
@@ -192,7 +218,7 @@ def _tuned(key, device, launch, fallback, out) -> tuple[int, int, int]:
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return fallback
     times, first = {}, None
-    for cfg in _CONFIGS:
+    for cfg in configs:
         try:
             launch(cfg)                                   # compiles
             if first is None:
@@ -257,7 +283,8 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, orde
 
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
                outputs: torch.Tensor | None = None, max_run: int = 16, bv: int | None = None,
-               warps: int | None = None, stages: int | None = None, tune: bool = True, precision: str = "tf32x3"):
+               warps: int | None = None, stages: int | None = None, prefetch: bool | None = None, tune: bool = True,
+               precision: str = "tf32x3"):
     """The compose pass's form: chains described step by step, no map copied.
 
     init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
@@ -284,29 +311,29 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     ou = outputs if correct else final
     s_ot, s_oh = (outputs.stride(0), outputs.stride(1)) if correct else (0, 0)
 
-    def launch(cfg):
-        b, w, st = cfg
-        _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-            init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
-            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=max(16, triton.next_power_of_2(max_run)), num_warps=w)
+    bt = max(16, triton.next_power_of_2(max_run))
 
-    cfg = _default(r, h, v, init.device)
-    if bv is not None or warps is not None or stages is not None:
-        cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
+    def launch(cfg, _o=ou):
+        b, w, st, pf = cfg
+        _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
+            init, steps, a_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
+            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, PREFETCH=pf, num_warps=w)
+
+    configs = tuple(c for c in _STEP_CONFIGS if PREFETCH is None or c[3] == PREFETCH)
+    cfg = _default(r, h, v, init.device) + (bool(PREFETCH),)
+    if bv is not None or warps is not None or stages is not None or prefetch is not None:
+        cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2], cfg[3] if prefetch is None else prefetch)
     elif tune and not correct:
-        cfg = _tuned(("steps", r, h, k, v, precision), init.device, launch, cfg, final)
+        cfg = _tuned(("steps", r, h, k, v, precision, PREFETCH), init.device, launch, cfg, final, configs)
     elif tune:
         # the corrected outputs are written in place: tuning runs the kernel several times, so it times a
         # copy of them, then the chosen configuration runs once on the real ones
         scratch = outputs.clone()
 
-        def trial(cfg, _o=scratch):
-            b, w, st = cfg
-            _o.copy_(outputs)
-            _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-                init, steps, a_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
-                STAGES=st, W=steps.shape[1], CORRECT=True, BT=max(16, triton.next_power_of_2(max_run)), num_warps=w)
+        def trial(cfg):
+            scratch.copy_(outputs)
+            launch(cfg, scratch)
 
-        cfg = _tuned(("steps+correct", r, h, k, v, precision), init.device, trial, cfg, final)
+        cfg = _tuned(("steps+correct", r, h, k, v, precision, PREFETCH), init.device, trial, cfg, final, configs)
     launch(cfg)
     return before, final
