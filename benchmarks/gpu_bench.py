@@ -176,46 +176,51 @@ def decode_bench(llm, prompts, steps: int, batches=(1, 8)):
 
 def ts_rows(model, ids, args, res):
     """The cost of (T, S) in an isolated segment prefill: the segment as one plain run against its seam window
-    plus the summarized rest (what prefill/isolated.py runs), side by side; with the transition through fla's
-    whole pipeline on appended columns (fast.TRANSITION_STAGES = False, the form before run 20) as a third row."""
+    plus the summarized rest (what prefill/isolated.py runs), side by side, in three forms: the default (one
+    pass per layer, fast.chunk_gated_delta_isolated), two rounds per layer with the rest's transition through
+    fla's state passing only (fast.chunk_gated_delta_transition), and two rounds with the transition through
+    fla's whole pipeline on appended columns (the form of runs 10-19 at 8k)."""
     from hypic.ops import fast as _fast
 
     over = {}
     for n in ((512, 2048, 8192) if DEV == "cuda" else (64, 128)):
         toks = ids(n)
 
-        def run(summarize: bool):
+        def run(summarize: bool, walk: str = "phased"):
             b = BatchBuilder(DEV)
             items = ([("run", toks[:8]), ("run", toks[8:], {"summarize": True})] if summarize else [("run", toks)])
             b.add(SeqState(capacity_hint=n), items, logits="none")
-            model(b.build())
+            model(b.build(walk=walk))
 
-        def whole():
+        def appended():
             _fast.TRANSITION_STAGES = False
             try:
-                run(True)
+                run(True, "rounds")
             finally:
                 _fast.TRANSITION_STAGES = True
 
-        plain = timed(lambda: run(False), args.reps + 2)[0]
-        summ = timed(lambda: run(True), args.reps + 2)[0]
-        old = timed(whole, args.reps + 2)[0]
-        plain2 = timed(lambda: run(False), args.reps + 2)[0]          # the plain row again: the host's drift
-        over[n] = dict(plain_s=plain, summarized_s=summ, overhead=summ / plain - 1, appended_columns_s=old,
-                       appended_columns_overhead=old / plain - 1, plain_again_s=plain2)
+        forms = {"one_pass": lambda: run(True), "rounds_state_passing": lambda: run(True, "rounds"),
+                 "rounds_appended_columns": appended}
+        e = over[n] = {"plain_s": timed(lambda: run(False), args.reps + 2)[0]}
+        for name, fn in forms.items():
+            e[f"{name}_s"] = timed(fn, args.reps + 2)[0]
+        e["plain_again_s"] = timed(lambda: run(False), args.reps + 2)[0]       # the host's drift
+        e["summarized_s"], e["overhead"] = e["one_pass_s"], e["one_pass_s"] / e["plain_s"] - 1
+        line = f"(T, S) overhead at {n}: plain {e['plain_s'] * 1e3:.1f} ms (again {e['plain_again_s'] * 1e3:.1f})"
+        for name in forms:
+            line += f"; {name} {e[name + '_s'] * 1e3:.1f} ms ({(e[name + '_s'] / e['plain_s'] - 1) * 100:+.1f}%)"
         if DEV == "cuda":              # the same on the device alone (the short rows are host-bound)
-            gp, gs, go = gpu_ms(lambda: run(False)), gpu_ms(lambda: run(True)), gpu_ms(whole)
-            over[n].update(plain_gpu_ms=gp, summarized_gpu_ms=gs, gpu_overhead=gs / gp - 1, appended_columns_gpu_ms=go,
-                           appended_columns_gpu_overhead=go / gp - 1)
-        print(f"(T, S) overhead at {n}: plain {plain * 1e3:.1f} ms (again {plain2 * 1e3:.1f}), with summaries "
-              f"{summ * 1e3:.1f} ms -> {(summ / plain - 1) * 100:.1f}%; appended columns {old * 1e3:.1f} ms -> "
-              f"{(old / plain - 1) * 100:.1f}%" + (
-                  f"; kernels {over[n]['plain_gpu_ms']:.1f} -> {over[n]['summarized_gpu_ms']:.1f} ms, "
-                  f"{over[n]['gpu_overhead'] * 100:+.1f}% (appended columns {over[n]['appended_columns_gpu_ms']:.1f} ms, "
-                  f"{over[n]['appended_columns_gpu_overhead'] * 100:+.1f}%)" if DEV == "cuda" else ""), flush=True)
+            e["plain_gpu_ms"] = gp = gpu_ms(lambda: run(False))
+            line += f"; kernels: plain {gp:.1f} ms"
+            for name, fn in forms.items():
+                e[f"{name}_gpu_ms"] = gs = gpu_ms(fn)
+                line += f", {name} {gs:.1f} ({(gs / gp - 1) * 100:+.1f}%)"
+            e["summarized_gpu_ms"], e["gpu_overhead"] = e["one_pass_gpu_ms"], e["one_pass_gpu_ms"] / gp - 1
+        print(line, flush=True)
         if args.profile_ts and n in (512, 8192, 128):
             profile(f"isolated prefill {n}, plain", lambda: run(False))
-            profile(f"isolated prefill {n}, summarized", lambda: run(True))
+            profile(f"isolated prefill {n}, one pass", lambda: run(True))
+            profile(f"isolated prefill {n}, rounds", lambda: run(True, "rounds"))
     res["ts_overhead"] = over
     return over
 
@@ -381,16 +386,15 @@ def main():
 
         from hypic.ops import triton_scan as _ts
 
-        def prefetch(v):
-            _ts.PREFETCH = v
+        def relative(v):
+            _ts.RELATIVE = v
             _ts.TUNED.clear()
 
-        variants = [("scan_plain_loop_only", lambda: prefetch(False), lambda: prefetch(None)),
-                    ("scan_hand_prefetch_only", lambda: prefetch(True), lambda: prefetch(None))]
+        variants = [("scan_operands_by_cast_address", lambda: relative(False), lambda: relative(True))]
         if args.all_variants:
             variants += [("correction_after_scan", lambda: fused(False), lambda: fused(True)),
                          ("graph_in_4_pieces", lambda: pieces(4), lambda: pieces(1))]
-        print(f"scan tuner picks (default: both loops tried): "
+        print(f"scan tuner picks: "
               f"{ {k: v[0] for k, v in _ts.TUNED.items()} }", flush=True)
         rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in _ts.TUNED.items()}
         for name, setup, undo in variants:
@@ -513,8 +517,9 @@ def main():
     for n, e in over.items():
         print(f"| (T, S) overhead, {n}-token segment | {e['summarized_s'] * 1e3:.1f} ms | plain {e['plain_s'] * 1e3:.1f} ms "
               f"| {e['overhead'] * 100:.1f}% | <= 5% |")
-        print(f"| (T, S) overhead, {n}-token segment, appended columns (before) | {e['appended_columns_s'] * 1e3:.1f} ms "
-              f"| plain {e['plain_s'] * 1e3:.1f} ms | {e['appended_columns_overhead'] * 100:.1f}% | |")
+        for name in ("rounds_state_passing", "rounds_appended_columns"):
+            print(f"| (T, S) overhead, {n}-token segment, {name.replace('_', ' ')} | {e[name + '_s'] * 1e3:.1f} ms "
+                  f"| plain {e['plain_s'] * 1e3:.1f} ms | {(e[name + '_s'] / e['plain_s'] - 1) * 100:.1f}% | |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for e in res["full_prefill"].values():

@@ -286,6 +286,73 @@ def chunk_gated_delta_transition(q, k, v, g, beta, *, scale=None, initial_state=
     return o.to(v.dtype), final, t
 
 
+def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=None, use_qk_l2norm_in_kernel=False):
+    """The reference signature (ops/reference/gated_delta.py): an isolated prefill's linear layer, every
+    sequence from zero plus the zero-start summary (T, S) of its rest (the tokens after its seam window).
+
+    On CUDA with fla, in one pass over the sequences: fla's stages for the outputs and final states (what a
+    plain prefill runs), then
+      - the transitions of each sequence's whole chunks after the one holding its seam ("tails"): the
+        chunk-state pass once more over the same w, with zero values, from the identity, over a layout
+        that cuts every sequence at that chunk boundary (its chunk-local cumsums and WY factors are
+        unchanged by the cut);
+      - the seam window and the rest of its chunk ("heads", <= 64 tokens) summarized from [0 | I] by the
+        backend's short-run summary (one small kernel): S after the seam window, and [S | T] of the head;
+      - T = T_tail T_head, S = S_final - T S_seam.
+    No second round over the rest (a second conv and kernel call per layer, and the outputs and WY values
+    of K appended columns that nothing reads). Elsewhere, or under autograd: the two plain ops."""
+    st = _fla_stages() if q.is_cuda and TRANSITION_STAGES else None
+    bounds = cu_seqlens.tolist()
+    short_heads = any(b - a <= -(-sw // 64) * 64 or sw % 64 == 0 for a, b, sw in zip(bounds[:-1], bounds[1:], seams))
+    if st is None or needs_grad(q, k, v, g, beta) or short_heads:
+        # (short_heads: a sequence that ends inside its seam's chunk, or a seam that fills whole chunks; kept off
+        # the one-pass form, whose head and tail runs are then empty)
+        from .reference.gated_delta import isolated_by_parts
+
+        return isolated_by_parts(chunk_gated_delta_rule, chunk_gated_delta_transition, q, k, v, g, beta,
+                                     cu_seqlens=cu_seqlens, seams=seams, scale=scale,
+                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    l2norm_fwd, cumsum, rcp_ln2, intra, fwd_h, fwd_o = st
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    dk, hv, dv = k.shape[-1], v.shape[-2], v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+    cu, _, chunks = _cu(cu_seqlens, q.device)
+    r = len(bounds) - 1
+    gc = cumsum(g.float().contiguous(), chunk_size=64, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
+    w, u, _ = intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_indices=chunks, chunk_size=64)
+    h, v_new, final = fwd_h(k=k, w=w, u=u, g=gc, initial_state=None, output_final_state=True, cu_seqlens=cu,
+                            chunk_indices=chunks)
+    o = fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu, chunk_indices=chunks)
+    # tails: every sequence cut at the end of its seam's chunk (a chunk boundary of the layout above)
+    cut = [a + -(-sw // 64) * 64 for a, sw in zip(bounds[:-1], seams)]
+    split = sorted(set(bounds) | set(cut))
+    tcu, _, tchunks = _cu(torch.tensor(split), q.device)
+    key = (tuple(w.shape), len(split), str(q.device), w.dtype)
+    zi = _ZEROS.get(key)
+    if zi is None:                             # read-only: zero values and the identity, per shape
+        if len(_ZEROS) > 8:
+            _ZEROS.clear()
+        zi = _ZEROS[key] = (w.new_zeros(w.shape), torch.eye(dk, device=q.device).expand(len(split) - 1, hv, dk, dk)
+                            .contiguous())
+    _, _, tt = fwd_h(k=k, w=w, u=zi[0], g=gc, initial_state=zi[1], output_final_state=True, save_new_value=False,
+                     cu_seqlens=tcu, chunk_indices=tchunks)
+    t_tail = tt[1::2]                          # pieces alternate: head, tail
+    # heads: per sequence two short runs from [0 | I]: its seam window, then the rest of its chunk
+    lens, rows = [], []
+    for a, c, sw in zip(bounds[:-1], cut, seams):
+        lens += [sw, c - a - sw]
+        rows.append(torch.arange(a, c))
+    idx = torch.cat(rows).to(q.device, non_blocking=True)
+    hcu = torch.tensor([0] + lens).cumsum(0)
+    _, _, fin = recurrent_gated_delta_summary(q[:, idx], k[:, idx], v[:, idx], g[:, idx], beta[:, idx],
+                                              cu_seqlens=_cu(hcu, q.device)[0], scale=scale, max_len=max(lens))
+    s_seam, s_head, t_head = fin[0::2, ..., :dv], fin[1::2, ..., :dv], fin[1::2, ..., dv:]
+    t = t_tail @ t_head
+    return o.to(v.dtype), final, t, final - t @ s_seam
+
+
 def _conv_layout(cu: tuple, wm1: int, device):
     """Device index tensors of one varlen conv layout: rows of x, of the windows, of the outputs and of
     the new windows in the padded buffer."""

@@ -92,23 +92,30 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
 
 
 @triton.jit
-def _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
+def _chain_load(j, steps, A, a_addr, h, rk, rv, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                REL: tl.constexpr):
     """The operands of chain step j (its row of `steps`, W int64 columns: T address or run offset, S address
     or run offset, is_run, slot[, first token, tokens]): (T [K, K], S [K, BV]). A run's [S | T] lies in A
-    (address a_addr) at that byte offset. They depend on the table only, not on the state: a step's loads
-    can be issued before the previous step's product (PREFETCH)."""
+    (address a_addr) at that byte offset. REL: every operand is read as A plus an element offset (a cached
+    map's address made relative to A's), the form Triton's pipeliner prefetches like an indexed load; else
+    through an integer cast to a pointer."""
     row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
     is_run = tl.load(row + 2) != 0
-    base = tl.where(is_run, a_addr, 0)
-    tp = (tv + base).to(tl.pointer_type(tl.float32))
-    sp = (sv + base).to(tl.pointer_type(tl.float32))
     rs_t = tl.where(is_run, V + K, K)
     hs_t = tl.where(is_run, K * (V + K), K * K)
     c_t = tl.where(is_run, V, 0)
     rs_s = tl.where(is_run, V + K, V)
     hs_s = tl.where(is_run, K * (V + K), K * V)
+    if REL:
+        rebase = tl.where(is_run, 0, a_addr)
+        tp = A + ((tv - rebase) >> 2)
+        sp = A + ((sv - rebase) >> 2)
+    else:
+        base = tl.where(is_run, a_addr, 0)
+        tp = (tv + base).to(tl.pointer_type(tl.float32))
+        sp = (sv + base).to(tl.pointer_type(tl.float32))
     t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
     s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
     return t, s
@@ -140,9 +147,9 @@ def _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H:
 
 
 @triton.jit
-def _scan_steps_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
+def _scan_steps_kernel(init, steps, A, a_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                       W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr, PREFETCH: tl.constexpr):
+                       W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr, REL: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -156,28 +163,15 @@ def _scan_steps_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H
     x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     j0 = tl.load(cu + r)
     j1 = tl.load(cu + r + 1)
-    if PREFETCH:
-        # software pipelining by hand: step j+1's T and S (64 KB + 16 KB per program) are loaded while step j's
-        # product runs; the chain's latency was the loads' (H200 run 19: ~7.8 us per step against ~2 us of bytes
-        # and products). The last step loads its own operands again (clamped index, unused).
-        last = tl.maximum(j1 - 1, 0)
-        t, s = _chain_load(tl.minimum(j0, last), steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
-        j = j0
-        while j < j1:
-            tn, sn = _chain_load(tl.minimum(j + 1, last), steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
-            _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
-            x = tl.dot(t, x, input_precision=PREC) + s
-            t, s = tn, sn
-            j += 1
-    elif STAGES > 1:
+    if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            t, s = _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
+            t, s = _chain_load(j, steps, A, a_addr, h, rk, rv, m_kv, m_kk, K, V, W, REL)
             _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
             x = tl.dot(t, x, input_precision=PREC) + s
     else:
         j = j0
         while j < j1:
-            t, s = _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
+            t, s = _chain_load(j, steps, A, a_addr, h, rk, rv, m_kv, m_kk, K, V, W, REL)
             _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
             x = tl.dot(t, x, input_precision=PREC) + s
             j += 1
@@ -195,10 +189,7 @@ def _sm_count(device) -> int:
 
 # (value block, warps, pipeline stages) tried on a shape's first eager call; the first is the run-12 default
 _CONFIGS = ((32, 8, 1), (64, 8, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 2))
-# the step-table scan also tries the hand-pipelined loop (the next step's T and S loaded during this step's
-# product): (value block, warps, stages, prefetch)
-_STEP_CONFIGS = tuple(c + (False,) for c in _CONFIGS) + ((32, 8, 1, True), (64, 8, 1, True), (32, 4, 1, True))
-PREFETCH: bool | None = None     # None: the tuner picks among both loops; True / False: only that one (gpu_bench)
+RELATIVE = True    # the step table's operands read as offsets from the runs' buffer (gpu_bench times False beside it)
 TUNED: dict = {}              # shape key -> (bv, warps, stages), with the timings (benchmarks print them)
 
 
@@ -209,7 +200,7 @@ def _default(r: int, h: int, v: int, device) -> tuple[int, int, int]:
     return (32 if r * h * triton.cdiv(v, 64) < _sm_count(device) // 2 else 64), 8, 1
 
 
-def _tuned(key, device, launch, fallback, out, configs=_CONFIGS) -> tuple:
+def _tuned(key, device, launch, fallback, out, configs=_CONFIGS) -> tuple[int, int, int]:
     """The fastest configuration for this shape (timed once); one whose result differs from the first
     configuration's by more than 1e-5 relative is never chosen."""
     hit = TUNED.get(key)
@@ -283,8 +274,7 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, orde
 
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
                outputs: torch.Tensor | None = None, max_run: int = 16, bv: int | None = None,
-               warps: int | None = None, stages: int | None = None, prefetch: bool | None = None, tune: bool = True,
-               precision: str = "tf32x3"):
+               warps: int | None = None, stages: int | None = None, tune: bool = True, precision: str = "tf32x3"):
     """The compose pass's form: chains described step by step, no map copied.
 
     init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
@@ -314,17 +304,16 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     bt = max(16, triton.next_power_of_2(max_run))
 
     def launch(cfg, _o=ou):
-        b, w, st, pf = cfg
+        b, w, st = cfg
         _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-            init, steps, a_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
-            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, PREFETCH=pf, num_warps=w)
+            init, steps, runs, a_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
+            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, REL=RELATIVE, num_warps=w)
 
-    configs = tuple(c for c in _STEP_CONFIGS if PREFETCH is None or c[3] == PREFETCH)
-    cfg = _default(r, h, v, init.device) + (bool(PREFETCH),)
-    if bv is not None or warps is not None or stages is not None or prefetch is not None:
-        cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2], cfg[3] if prefetch is None else prefetch)
+    cfg = _default(r, h, v, init.device)
+    if bv is not None or warps is not None or stages is not None:
+        cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
     elif tune and not correct:
-        cfg = _tuned(("steps", r, h, k, v, precision, PREFETCH), init.device, launch, cfg, final, configs)
+        cfg = _tuned(("steps", r, h, k, v, precision, RELATIVE), init.device, launch, cfg, final)
     elif tune:
         # the corrected outputs are written in place: tuning runs the kernel several times, so it times a
         # copy of them, then the chosen configuration runs once on the real ones
@@ -334,6 +323,6 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
             scratch.copy_(outputs)
             launch(cfg, scratch)
 
-        cfg = _tuned(("steps+correct", r, h, k, v, precision, PREFETCH), init.device, trial, cfg, final, configs)
+        cfg = _tuned(("steps+correct", r, h, k, v, precision, RELATIVE), init.device, trial, cfg, final)
     launch(cfg)
     return before, final
