@@ -92,30 +92,22 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
 
 
 @triton.jit
-def _chain_load(j, steps, A, a_addr, h, rk, rv, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                REL: tl.constexpr):
+def _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
     """The operands of chain step j (its row of `steps`, W int64 columns: T address or run offset, S address
     or run offset, is_run, slot[, first token, tokens]): (T [K, K], S [K, BV]). A run's [S | T] lies in A
-    (address a_addr) at that byte offset. REL: every operand is read as A plus an element offset (a cached
-    map's address made relative to A's), the form Triton's pipeliner prefetches like an indexed load; else
-    through an integer cast to a pointer."""
+    (address a_addr) at that byte offset."""
     row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
     is_run = tl.load(row + 2) != 0
+    base = tl.where(is_run, a_addr, 0)
+    tp = (tv + base).to(tl.pointer_type(tl.float32))
+    sp = (sv + base).to(tl.pointer_type(tl.float32))
     rs_t = tl.where(is_run, V + K, K)
     hs_t = tl.where(is_run, K * (V + K), K * K)
     c_t = tl.where(is_run, V, 0)
     rs_s = tl.where(is_run, V + K, V)
     hs_s = tl.where(is_run, K * (V + K), K * V)
-    if REL:
-        rebase = tl.where(is_run, 0, a_addr)
-        tp = A + ((tv - rebase) >> 2)
-        sp = A + ((sv - rebase) >> 2)
-    else:
-        base = tl.where(is_run, a_addr, 0)
-        tp = (tv + base).to(tl.pointer_type(tl.float32))
-        sp = (sv + base).to(tl.pointer_type(tl.float32))
     t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
     s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
     return t, s
@@ -147,9 +139,9 @@ def _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H:
 
 
 @triton.jit
-def _scan_steps_kernel(init, steps, A, a_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
+def _scan_steps_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                       W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr, REL: tl.constexpr):
+                       W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -165,13 +157,13 @@ def _scan_steps_kernel(init, steps, A, a_addr, before, final, cu, ou, s_ot, s_oh
     j1 = tl.load(cu + r + 1)
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            t, s = _chain_load(j, steps, A, a_addr, h, rk, rv, m_kv, m_kk, K, V, W, REL)
+            t, s = _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
             _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
             x = tl.dot(t, x, input_precision=PREC) + s
     else:
         j = j0
         while j < j1:
-            t, s = _chain_load(j, steps, A, a_addr, h, rk, rv, m_kv, m_kk, K, V, W, REL)
+            t, s = _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
             _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
             x = tl.dot(t, x, input_precision=PREC) + s
             j += 1
@@ -189,7 +181,6 @@ def _sm_count(device) -> int:
 
 # (value block, warps, pipeline stages) tried on a shape's first eager call; the first is the run-12 default
 _CONFIGS = ((32, 8, 1), (64, 8, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 2))
-RELATIVE = True    # the step table's operands read as offsets from the runs' buffer (gpu_bench times False beside it)
 TUNED: dict = {}              # shape key -> (bv, warps, stages), with the timings (benchmarks print them)
 
 
@@ -200,7 +191,7 @@ def _default(r: int, h: int, v: int, device) -> tuple[int, int, int]:
     return (32 if r * h * triton.cdiv(v, 64) < _sm_count(device) // 2 else 64), 8, 1
 
 
-def _tuned(key, device, launch, fallback, out, configs=_CONFIGS) -> tuple[int, int, int]:
+def _tuned(key, device, launch, fallback, out) -> tuple[int, int, int]:
     """The fastest configuration for this shape (timed once); one whose result differs from the first
     configuration's by more than 1e-5 relative is never chosen."""
     hit = TUNED.get(key)
@@ -209,7 +200,7 @@ def _tuned(key, device, launch, fallback, out, configs=_CONFIGS) -> tuple[int, i
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return fallback
     times, first = {}, None
-    for cfg in configs:
+    for cfg in _CONFIGS:
         try:
             launch(cfg)                                   # compiles
             if first is None:
@@ -306,14 +297,14 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     def launch(cfg, _o=ou):
         b, w, st = cfg
         _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-            init, steps, runs, a_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
-            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, REL=RELATIVE, num_warps=w)
+            init, steps, a_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
+            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
     if bv is not None or warps is not None or stages is not None:
         cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
     elif tune and not correct:
-        cfg = _tuned(("steps", r, h, k, v, precision, RELATIVE), init.device, launch, cfg, final)
+        cfg = _tuned(("steps", r, h, k, v, precision), init.device, launch, cfg, final)
     elif tune:
         # the corrected outputs are written in place: tuning runs the kernel several times, so it times a
         # copy of them, then the chosen configuration runs once on the real ones
@@ -323,6 +314,6 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
             scratch.copy_(outputs)
             launch(cfg, scratch)
 
-        cfg = _tuned(("steps+correct", r, h, k, v, precision, RELATIVE), init.device, trial, cfg, final)
+        cfg = _tuned(("steps+correct", r, h, k, v, precision), init.device, trial, cfg, final)
     launch(cfg)
     return before, final
