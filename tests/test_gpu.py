@@ -80,6 +80,29 @@ def test_fla_transition_stages_match_reference():
 
 
 @cuda
+@pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
+@pytest.mark.parametrize("lens,seams", [([70, 200, 129], [8, 8, 5]), ([40, 300], [8, 64]), ([9], [8])])
+def test_fla_isolated_prefill_matches_reference(lens, seams):
+    """An isolated prefill's linear layer in one pass on fla's stages (every sequence cut after its seam window
+    into two pieces of one layout, the rests from the seams' states) against the fp32 reference (whole
+    sequences, then the rests from zero): bf16 operands, the bound of the chunk checks above. Sequences
+    shorter than a chunk, a seam of a whole chunk, a rest of one token."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n, h, hv, dk, dv = sum(lens), 2, 4, 64, 32
+    q = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, n, hv, dv, device="cuda", generator=g).bfloat16()
+    gate = torch.empty(1, n, hv, device="cuda").uniform_(0.9, 0.999, generator=g).log()
+    beta = torch.rand(1, n, hv, device="cuda", generator=g).bfloat16()
+    cu = torch.tensor([0] + lens).cumsum(0)
+    kw = dict(g=gate, beta=beta, cu_seqlens=cu, seams=seams, use_qk_l2norm_in_kernel=True)
+    want = ref.chunk_gated_delta_isolated(q.float(), k.float(), v.float(), **kw)
+    got = fast.chunk_gated_delta_isolated(q, k, v, **kw)
+    for name, a, b in zip(("o", "final", "T", "S"), got, want):
+        assert a.shape == b.shape and rel(a, b) < 2e-2, name
+
+
+@cuda
 def test_triton_scan_matches_fp64():
     pytest.importorskip("triton")
     from hypic.compose.scan import scan_dense, scan_dense_reference

@@ -24,6 +24,7 @@ class GatedDeltaNet(LinearMixer):
     form = Form.DENSE
     readout = True
     graph_compose = True
+    isolated = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
         super().__init__(layer_idx, ops)
@@ -87,6 +88,15 @@ class GatedDeltaNet(LinearMixer):
         fn = self.ops.recurrent_gated_delta_rule if short else self.ops.chunk_gated_delta_rule
         return dense_summary_kernel(fn, q, k, v, init, cu, summarize, readout, g=f["g"][None, idx],
                                     beta=f["beta"][None, idx], use_qk_l2norm_in_kernel=True)
+
+    def kernel_isolated(self, f, conv_out, cu, seams):
+        """An isolated prefill's sequences (cu over the whole flat axis) from zero, with each rest's (T, S)
+        (ops chunk_gated_delta_isolated)."""
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = q.reshape(-1, self.h, self.dk), k.reshape(-1, self.h, self.dk), v.reshape(-1, self.hv, self.dv)
+        o, final, t, s = self.ops.chunk_gated_delta_isolated(q[None], k[None], v[None], f["g"][None], f["beta"][None],
+                                                             cu_seqlens=cu, seams=seams, use_qk_l2norm_in_kernel=True)
+        return o[0], final, t, s
 
     def output(self, x, o, f):
         z = f["z"].reshape(-1, self.dv)

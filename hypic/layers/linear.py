@@ -30,6 +30,7 @@ from ..runtime.state import LinearState
 class LinearMixer(nn.Module):
     form: Form                       # the family's transition form
     readout: bool = False            # kernel(..., readout=True) gives u_t (dense families; dense_summary_kernel)
+    isolated: bool = False           # kernel_isolated: an isolated prefill in one call (_forward_isolated)
     graph_compose: bool = False      # runs the fixed-buffer compose pass (runtime/compose_graph.py): a readout
                                      # family whose kernel takes device cu_seqlens for short runs (short=True)
     conv_width: int = 0              # W of the short causal conv over "raw" (0: no conv)
@@ -284,11 +285,16 @@ class LinearMixer(nn.Module):
             return self.output(x, self._forward_static(x, f, batch), f)
         if batch.captured is not None:
             return self.output(x, self._forward_captured(x, f, batch), f)
+        fresh = True                 # every sequence starts here from a zero state (its first forward)
         for seq in batch.seqs:
             if L not in seq.state.layers:
                 seq.state.layers[L] = self.new_state(x.device, x.dtype, seq.state.capacity_hint)
+            else:
+                fresh = False
         one_call = self.readout and batch.exact_transition
-        if batch.walk == "phased" and _phased_ok(batch, one_call and (x.is_cuda or LONG_CHAINS_EVERYWHERE)):
+        if batch.walk == "phased" and self.isolated and _isolated_ok(batch, fresh):
+            out = self._forward_isolated(x, f, batch)
+        elif batch.walk == "phased" and _phased_ok(batch, one_call and (x.is_cuda or LONG_CHAINS_EVERYWHERE)):
             if one_call:
                 out = self._forward_readout(x, f, batch)
             else:
@@ -298,6 +304,35 @@ class LinearMixer(nn.Module):
         if out is None:                                   # no runs: no active tokens, nothing to output
             return torch.zeros_like(x)
         return self.output(x, out, f)
+
+    def _forward_isolated(self, x, f, batch):
+        """An isolated prefill (prefill/isolated.py: every sequence its seam window, then the rest summarized,
+        from a zero state) in one kernel call: the family's `kernel_isolated` gives the outputs of whole
+        sequences and each rest's zero-start (T, S), without a second round over the rests. Equal to
+        `_forward_rounds` up to rounding (tests/test_fast.py)."""
+        L = self.layer_idx
+        seqs = batch.seqs
+        lens = [s.end - s.start for s in seqs]
+        cu = torch.tensor([0] + lens).cumsum(0)
+        conv_out = None
+        if self.conv_width:
+            weight, bias = self.conv_weights()
+            windows = torch.stack([s.state.layers[L].conv for s in seqs])
+            conv_out, new = self.ops.causal_conv1d_varlen(f["raw"], weight, bias, windows, cu,
+                                                          activation=self.conv_activation)
+        o, final, t, s0 = self.kernel_isolated(f, conv_out, cu, [s.pieces[0].n for s in seqs])
+        own = len(seqs) > 1                 # entries are cached one by one: no view pinning the batch
+        for i, seq in enumerate(seqs):
+            st = seq.state.layers[L]
+            st.rec = final[i]
+            rest = seq.pieces[1]
+            tail = None
+            if self.conv_width:
+                st.conv = new[i].clone() if own else new[i]
+                tail = f["raw"][max(rest.start, rest.end - (self.conv_width - 1)) : rest.end].clone()
+            rest.captures[L] = LinearSummary(Transition(self.form, t[i].clone() if own else t[i]),
+                                             s0[i].clone() if own else s0[i], tail)
+        return o
 
     def _forward_rounds(self, x, f, batch):
         """The plain walk (the reference): round r takes the r-th piece of every sequence; the runs of a
@@ -642,6 +677,24 @@ _SHORT_RUN = 64
 _CORRECTED_TOKENS = 4096
 LONG_CHAINS_EVERYWHERE = False     # tests: take the one-call walk for long chains on the CPU too
 FUSE_CORRECTION = True             # the compose pass's step-table scan corrects the runs' outputs itself
+
+
+def _isolated_ok(batch, fresh: bool) -> bool:
+    """The batch is an isolated prefill the one-call form takes: sequences back to back in the flat axis, each
+    from a zero state, each its seam window (>= 1 token) then the rest (>= 1 token) summarized, nothing marked."""
+    if (not fresh or not batch.exact_transition or not batch.seqs or batch.seqs[0].start != 0
+            or batch.seqs[-1].end != batch.input_ids.shape[0]):
+        return False
+    for a, b in zip(batch.seqs, batch.seqs[1:]):
+        if a.end != b.start:
+            return False
+    for seq in batch.seqs:
+        p = seq.pieces
+        if not (len(p) == 2 and isinstance(p[0], Run) and isinstance(p[1], Run) and p[0].n >= 1 and p[1].n >= 1
+                and not p[0].summarize and p[1].summarize and not p[0].mark and not p[1].mark
+                and p[0].start == seq.start and p[0].end == p[1].start and p[1].end == seq.end):
+            return False
+    return True
 
 
 def _phased_ok(batch, long_chains: bool = False) -> bool:

@@ -36,6 +36,7 @@ class Backend:
     experts_forward: Callable
     recurrent_gated_delta_summary: Callable
     chunk_gated_delta_transition: Callable
+    chunk_gated_delta_isolated: Callable
 
 
 _REGISTRY = {"reference": "hypic.ops.reference", "fast": "hypic.ops.fast"}
@@ -53,6 +54,6 @@ def get_backend(name: str) -> Backend:
             name, m.chunk_gated_delta_rule, m.recurrent_gated_delta_rule, m.chunk_kda, m.recurrent_kda, m.chunk_gla,
             m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d, m.causal_conv1d_varlen,
             m.position_attention, m.decode_attention, m.route, m.route_grouped_sigmoid, m.experts_forward,
-            m.recurrent_gated_delta_summary, m.chunk_gated_delta_transition,
+            m.recurrent_gated_delta_summary, m.chunk_gated_delta_transition, m.chunk_gated_delta_isolated,
         )
     return _LOADED[name]

@@ -286,6 +286,60 @@ def chunk_gated_delta_transition(q, k, v, g, beta, *, scale=None, initial_state=
     return o.to(v.dtype), final, t
 
 
+def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=None, use_qk_l2norm_in_kernel=False):
+    """The reference signature (ops/reference/gated_delta.py): an isolated prefill's linear layer, every
+    sequence from zero plus the zero-start summary (T, S) of its rest (the tokens after its seam window).
+
+    On CUDA with fla, over the rows as they lie (no gather of the rests, no second round): each sequence is
+    cut after its seam window into two pieces of one varlen layout;
+      1. the seam windows from zero (fla's fused recurrent kernel on their few rows): the states S_w after them;
+      2. fla's stages once over the cut layout, every seam from zero and every rest from its S_w: the outputs of
+         all tokens and the state after each sequence (a plain prefill's work, one more piece per sequence);
+      3. the chunk-state pass once more over the same w, with zero values, from the identity: each rest's T;
+      and S = S_final - T S_w. Elsewhere, or under autograd: the two plain ops."""
+    st = _fla_stages() if q.is_cuda and TRANSITION_STAGES else None
+    bounds = cu_seqlens.tolist()
+    if st is None or needs_grad(q, k, v, g, beta) or any(
+            sw < 1 or b - a <= sw for a, b, sw in zip(bounds[:-1], bounds[1:], seams)):
+        from .reference.gated_delta import isolated_by_parts
+
+        return isolated_by_parts(chunk_gated_delta_rule, chunk_gated_delta_transition, q, k, v, g, beta,
+                                 cu_seqlens=cu_seqlens, seams=seams, scale=scale,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    l2norm_fwd, cumsum, rcp_ln2, intra, fwd_h, fwd_o = st
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    dk, hv, dv = k.shape[-1], v.shape[-2], v.shape[-1]
+    r = len(seams)
+    scale = dk ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+    # 1. the seam windows
+    idx = torch.cat([torch.arange(a, a + sw) for a, sw in zip(bounds[:-1], seams)]).to(q.device, non_blocking=True)
+    _, s_w = recurrent_gated_delta_rule(q[:, idx], k[:, idx], v[:, idx], g[:, idx], beta[:, idx], scale=scale,
+                                        output_final_state=True, cu_seqlens=torch.tensor([0] + list(seams)).cumsum(0))
+    # 2. the cut layout: pieces alternate seam, rest
+    split = [x for a, sw in zip(bounds[:-1], seams) for x in (a, a + sw)] + [bounds[-1]]
+    cu, _, chunks = _cu(torch.tensor(split), q.device)
+    init = s_w.new_zeros((2 * r,) + tuple(s_w.shape[1:]))
+    init[1::2] = s_w
+    gc = cumsum(g.float().contiguous(), chunk_size=64, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
+    w, u, _ = intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_indices=chunks, chunk_size=64)
+    h, v_new, final = fwd_h(k=k, w=w, u=u, g=gc, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                            chunk_indices=chunks)
+    o = fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu, chunk_indices=chunks)
+    # 3. the rests' transitions
+    key = (tuple(w.shape), 2 * r, str(q.device), w.dtype)
+    zi = _ZEROS.get(key)
+    if zi is None:                             # read-only: zero values and the identity, per shape
+        if len(_ZEROS) > 8:
+            _ZEROS.clear()
+        zi = _ZEROS[key] = (w.new_zeros(w.shape), torch.eye(dk, device=q.device).expand(2 * r, hv, dk, dk).contiguous())
+    _, _, tt = fwd_h(k=k, w=w, u=zi[0], g=gc, initial_state=zi[1], output_final_state=True, save_new_value=False,
+                     cu_seqlens=cu, chunk_indices=chunks)
+    t, s_n = tt[1::2], final[1::2]
+    return o.to(v.dtype), s_n, t, s_n - t @ s_w
+
+
 def _conv_layout(cu: tuple, wm1: int, device):
     """Device index tensors of one varlen conv layout: rows of x, of the windows, of the outputs and of
     the new windows in the padded buffer."""

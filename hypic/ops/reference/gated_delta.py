@@ -125,6 +125,31 @@ def chunk_gated_delta_transition(q, k, v, g, beta, *, scale=None, initial_state=
     return o[..., :dv], final[..., :dv], final[..., dv:]
 
 
+def isolated_by_parts(chunk, transition, q, k, v, g, beta, *, cu_seqlens, seams, scale=None,
+                      use_qk_l2norm_in_kernel=False):
+    """chunk_gated_delta_isolated from two plain ops (a backend's chunk_gated_delta_rule and
+    chunk_gated_delta_transition): the sequences whole from zero, then the rest of each (after its seam)
+    again from zero with its transition."""
+    o, final = chunk(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu_seqlens,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    cu = cu_seqlens.tolist()
+    idx = torch.cat([torch.arange(a + w, b) for a, b, w in zip(cu[:-1], cu[1:], seams)]).to(q.device)
+    cu_rest = torch.tensor([0] + [b - a - w for a, b, w in zip(cu[:-1], cu[1:], seams)]).cumsum(0)
+    _, s0, t = transition(q[:, idx], k[:, idx], v[:, idx], g[:, idx], beta[:, idx], scale=scale,
+                          cu_seqlens=cu_rest, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o, final, t, s0
+
+
+def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=None, use_qk_l2norm_in_kernel=False):
+    """An isolated prefill's linear layer in one op: every sequence (cu_seqlens, on the CPU) from a zero
+    state, and the zero-start summary of each one's rest, the tokens after its first seams[i] (>= 1 left).
+    Returns (o [B, N, HV, V], final [R, HV, K, V] fp32, T [R, HV, K, K] fp32, S [R, HV, K, V] fp32): T and S
+    of the rest, so that the state after it is T @ (the state before it) + S."""
+    return isolated_by_parts(chunk_gated_delta_rule, chunk_gated_delta_transition, q, k, v, g, beta,
+                             cu_seqlens=cu_seqlens, seams=seams, scale=scale,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
 def chunk_gated_delta_rule(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64,
