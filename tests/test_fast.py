@@ -142,8 +142,8 @@ def test_reference_backend_equals_fast(hf_checkpoints):
 def test_one_call_walk_for_long_chains_equals_rounds(hf_checkpoints, monkeypatch, mode):
     """On CUDA the readout walk also takes chains of long runs (prefix-mode spans): forced here on the CPU,
     it equals the rounds walk, and the prefix-cache states it captures serve later requests identically.
-    Isolated prefills (no cached segment, two runs per sequence) keep the rounds walk, where the long
-    run's transition goes through the state passing only."""
+    Isolated prefills of Gated DeltaNet layers take their own one-pass form (LinearMixer._forward_isolated)
+    before it."""
     from hypic.layers import linear
 
     path = hf_checkpoints["qwen3_5"][1]
@@ -166,7 +166,7 @@ def test_one_call_walk_for_long_chains_equals_rounds(hf_checkpoints, monkeypatch
         outs[walk] = llm.generate(first, sp) + llm.generate(again, sp)
     if mode == "prefix":                          # long chains did take the one-call walk
         assert max(n for n, _ in seen) > 64
-    else:                                         # isolated prefills of cold segments did not
+    else:                                         # isolated prefills of cold segments did not (one pass)
         assert seen and not any(summ for _, summ in seen)
     for a, b in zip(outs["rounds"], outs["phased"]):
         assert a.token_ids == b.token_ids and a.prefix_tokens == b.prefix_tokens
@@ -175,8 +175,7 @@ def test_one_call_walk_for_long_chains_equals_rounds(hf_checkpoints, monkeypatch
 
 def test_long_chains_bounded_by_corrected_tokens():
     """The one-call walk takes a long chain only while the tokens it must correct (every run that does
-    not open its sequence) stay few; past that, the rounds walk (and its per-span calls) is cheaper. Two
-    runs and no cached segment (an isolated prefill's shape) keep the rounds walk."""
+    not open its sequence) stay few; past that, the rounds walk (and its per-span calls) is cheaper."""
     from hypic.layers import linear
     from hypic.runtime.batch import BatchBuilder
     from hypic.runtime.state import SeqState
@@ -189,9 +188,8 @@ def test_long_chains_bounded_by_corrected_tokens():
     limit = linear._CORRECTED_TOKENS
     assert linear._phased_ok(batch([8, 500, 600]), long_chains=True)
     assert not linear._phased_ok(batch([8, limit + 1]), long_chains=True)          # an 8k isolated prefill
-    assert linear._phased_ok(batch([limit + 1, 8, 8]), long_chains=True)           # the first run needs none
+    assert linear._phased_ok(batch([limit + 1, 8]), long_chains=True)              # the first run needs none
     assert not linear._phased_ok(batch([8, 500]), long_chains=False)
-    assert not linear._phased_ok(batch([8, 500]), long_chains=True)        # two runs, nothing cached: rounds
 
 
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2)])

@@ -715,12 +715,9 @@ def _phased_ok(batch, long_chains: bool = False) -> bool:
     for seq in batch.seqs:
         runs = [p for p in seq.pieces if isinstance(p, Run)]
         applies = applies or len(runs) < len(seq.pieces)
-        many = many or len(seq.pieces) > 2
+        many = many or len(seq.pieces) > 1
         if not long_chains and any(r.n > _SHORT_RUN for r in runs[:-1]):
             return False
-    # no cached segment to apply and at most two runs per sequence (an isolated prefill: the seam window, then
-    # the summarized rest): the rounds' two calls per layer, the long run's transition through the state
-    # passing only (ops chunk_gated_delta_transition), cost less than summarizing every run with its readout
     return applies or (long_chains and many)
 
 
