@@ -492,8 +492,6 @@ def main():
     t0 = None
     step, tokens = step0, tokens0
     next_eval = args.eval_every_min * 60
-    train_time = 0.0
-    sm = {}
     V = cfg.vocab_size
     while True:
         T, W = next(it)

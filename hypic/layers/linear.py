@@ -227,7 +227,8 @@ class LinearMixer(nn.Module):
         weight, bias = self.conv_weights()
         from ..ops.fast import kernel_failed, triton_here, triton_kernel
 
-        conv = triton_kernel("conv") if triton_here(src) and self.conv_activation in (None, "silu") else None
+        conv = (triton_kernel("conv", src, weight, bias) if triton_here(src) and self.conv_activation in (None, "silu")
+                else None)
         conv_out = None
         if conv is not None:                # one kernel (ops/triton_conv.py)
             try:

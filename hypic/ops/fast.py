@@ -68,10 +68,11 @@ def _import_kernel(name: str):
         return None
 
 
-def triton_kernel(name: str):
-    """One of this backend's Triton kernels (`_KERNELS`), or None where triton is missing or the kernel
-    could not be built here before (`kernel_failed`)."""
-    return None if name in FAILED else _import_kernel(name)
+def triton_kernel(name: str, *tensors):
+    """One of this backend's Triton kernels (`_KERNELS`), or None where triton is missing, the kernel could
+    not be built here before (`kernel_failed`), or autograd would differentiate through `tensors` (the
+    kernels have no backward: their PyTorch forms run then)."""
+    return None if name in FAILED or needs_grad(*tensors) else _import_kernel(name)
 
 
 def kernel_failed(name: str, e: Exception) -> None:
@@ -102,7 +103,7 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
         if max_len is not None and max_len <= CHUNK_MAX:
             tries.insert(0, ("chunk_summary", {"max_len": max_len}))
         for name, kw in tries:
-            kern = triton_kernel(name)
+            kern = triton_kernel(name, q, k, v, g, beta)
             if kern is None:
                 continue
             try:
@@ -414,7 +415,7 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     few = h * nq * nk * 4 <= _SCORES_BYTES
     # (fp32 stays on the explicit path: the kernel's products are tf32 on the GPU; so does autograd: the
     # kernel has no backward)
-    kern = triton_kernel("attention") if few and triton_here(q) and not needs_grad(q, k, v) and (
+    kern = triton_kernel("attention", q, k, v) if few and triton_here(q) and (
         q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) else None
     if kern is not None:
         # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped

@@ -324,7 +324,6 @@ def build_train_pools(T: Tok, kc_rows, kc_split, disfl, prose, rng, n_fact_docs,
             continue
         pieces, slots = [head], []
         pos = len(head)
-        ok = True
         for j, sgm in enumerate(segs):
             if sgm:
                 ids = T.ids(sgm)
@@ -354,8 +353,8 @@ def build_train_pools(T: Tok, kc_rows, kc_split, disfl, prose, rng, n_fact_docs,
 
     # Generic QA pool: docs, questions (doc index, optional second doc), answers.
     g_doc, g_q, g_a = Flat(), Flat(), Flat()
-    g_qdoc, g_qdoc2, g_task = [], [], []  # task of the doc: 0 disfl, 1 facts, 2 twohop
-    g_dtask = []
+    g_qdoc, g_qdoc2 = [], []
+    g_dtask = []  # task of each doc: 0 disfl, 1 facts, 2 twohop
     for c, qs in disfl["train"]:
         d = g_doc.add(T.ids(f"{DOC_HEAD} {c}\n"))
         g_dtask.append(0)
