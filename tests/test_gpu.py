@@ -30,19 +30,24 @@ def test_gpu_modules_import_everywhere():
     assert isinstance(fast.fla_available(), bool)
 
 
-@cuda
-@pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
-def test_fla_gated_delta_rule_matches_reference():
-    g = torch.Generator(device="cuda").manual_seed(0)
-    lens = [1, 9, 70, 200]
-    n, h, hv, dk, dv = sum(lens), 2, 4, 64, 32
+def _gdn_inputs(lens, seed: int, h=2, hv=4, dk=64, dv=32):
+    """Gated-delta-rule inputs on CUDA for a varlen batch: bf16 q, k, v, beta, fp32 log decays in
+    [log 0.9, log 0.999], a small fp32 initial state per run, CPU cu_seqlens."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = sum(lens)
     q = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
     k = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
     v = torch.randn(1, n, hv, dv, device="cuda", generator=g).bfloat16()
     gate = torch.empty(1, n, hv, device="cuda").uniform_(0.9, 0.999, generator=g).log()
     beta = torch.rand(1, n, hv, device="cuda", generator=g).bfloat16()
     init = torch.randn(len(lens), hv, dk, dv, device="cuda", generator=g) * 0.1
-    cu = torch.tensor([0] + lens).cumsum(0)
+    return q, k, v, gate, beta, init, torch.tensor([0] + list(lens)).cumsum(0)
+
+
+@cuda
+@pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
+def test_fla_gated_delta_rule_matches_reference():
+    q, k, v, gate, beta, init, cu = _gdn_inputs([1, 9, 70, 200], seed=0)
     kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
               initial_state=init)
     o0, s0 = ref.chunk_gated_delta_rule(q.float(), k.float(), v.float(), **kw)
@@ -57,16 +62,7 @@ def test_fla_transition_stages_match_reference():
     the fp32 reference, and against the same through fla's whole pipeline on appended columns: bf16 operands
     (the bound of the chunk check above); the two fla forms run the same state-passing kernel on the T
     columns, so they agree to its rounding."""
-    g = torch.Generator(device="cuda").manual_seed(4)
-    lens = [70, 200, 1]
-    n, h, hv, dk, dv = sum(lens), 2, 4, 64, 32
-    q = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
-    k = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
-    v = torch.randn(1, n, hv, dv, device="cuda", generator=g).bfloat16()
-    gate = torch.empty(1, n, hv, device="cuda").uniform_(0.9, 0.999, generator=g).log()
-    beta = torch.rand(1, n, hv, device="cuda", generator=g).bfloat16()
-    init = torch.randn(len(lens), hv, dk, dv, device="cuda", generator=g) * 0.1
-    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, gate, beta, init, cu = _gdn_inputs([70, 200, 1], seed=4)
     kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, initial_state=init)
     want = ref.chunk_gated_delta_transition(q.float(), k.float(), v.float(), **kw)
     got = fast.chunk_gated_delta_transition(q, k, v, **kw)
@@ -87,14 +83,7 @@ def test_fla_isolated_prefill_matches_reference(lens, seams):
     into two pieces of one layout, the rests from the seams' states) against the fp32 reference (whole
     sequences, then the rests from zero): bf16 operands, the bound of the chunk checks above. Sequences
     shorter than a chunk, a seam of a whole chunk, a rest of one token."""
-    g = torch.Generator(device="cuda").manual_seed(5)
-    n, h, hv, dk, dv = sum(lens), 2, 4, 64, 32
-    q = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
-    k = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
-    v = torch.randn(1, n, hv, dv, device="cuda", generator=g).bfloat16()
-    gate = torch.empty(1, n, hv, device="cuda").uniform_(0.9, 0.999, generator=g).log()
-    beta = torch.rand(1, n, hv, device="cuda", generator=g).bfloat16()
-    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, gate, beta, _, cu = _gdn_inputs(lens, seed=5)
     kw = dict(g=gate, beta=beta, cu_seqlens=cu, seams=seams, use_qk_l2norm_in_kernel=True)
     want = ref.chunk_gated_delta_isolated(q.float(), k.float(), v.float(), **kw)
     got = fast.chunk_gated_delta_isolated(q, k, v, **kw)

@@ -103,7 +103,7 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
         if max_len is not None and max_len <= CHUNK_MAX:
             tries.insert(0, ("chunk_summary", {"max_len": max_len}))
         for name, kw in tries:
-            kern = triton_kernel(name, q, k, v, g, beta)
+            kern = triton_kernel(name)                # (autograd ruled out above: `kernels`)
             if kern is None:
                 continue
             try:
@@ -239,6 +239,46 @@ _ZEROS: dict = {}
 TRANSITION_STAGES = True     # False: the transition through fla's whole pipeline on appended columns (gpu_bench)
 
 
+def _stages_prepare(st, q, k, v, beta, scale, use_qk_l2norm_in_kernel):
+    """Contiguous inputs, the default scale and fla's l2 norm of q and k, as fla's chunk function does first."""
+    l2norm_fwd = st[0]
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+    return q, k, v, beta, scale
+
+
+def _stages_forward(st, q, k, v, g, beta, scale, cu_cpu, init):
+    """fla's chunked forward, stage by stage, over the varlen layout cu_cpu (a CPU tensor) from `init`: the
+    outputs (in v's dtype), the final states, and what a transition pass reuses (w, the cumsum, the layout)."""
+    _, cumsum, rcp_ln2, intra, fwd_h, fwd_o = st
+    cu, _, chunks = _cu(cu_cpu, q.device)
+    gc = cumsum(g.float().contiguous(), chunk_size=64, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
+    w, u, _ = intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_indices=chunks, chunk_size=64)
+    h, v_new, final = fwd_h(k=k, w=w, u=u, g=gc, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                            chunk_indices=chunks)
+    o = fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu, chunk_indices=chunks)
+    return o.to(v.dtype), final, (w, gc, cu, chunks)
+
+
+def _stages_transitions(st, k, reuse, r: int):
+    """Each run's transition T [R, HV, K, K]: fla's chunk-state pass once more over the forward's w, with zero
+    values, from the identity (zeros and identity cached read-only per shape)."""
+    fwd_h = st[4]
+    w, gc, cu, chunks = reuse
+    dk, hv = k.shape[-1], w.shape[-2]
+    key = (tuple(w.shape), r, str(k.device), w.dtype)
+    zi = _ZEROS.get(key)
+    if zi is None:
+        if len(_ZEROS) > 8:
+            _ZEROS.clear()
+        zi = _ZEROS[key] = (w.new_zeros(w.shape), torch.eye(dk, device=k.device).expand(r, hv, dk, dk).contiguous())
+    _, _, t = fwd_h(k=k, w=w, u=zi[0], g=gc, initial_state=zi[1], output_final_state=True, save_new_value=False,
+                    cu_seqlens=cu, chunk_indices=chunks)
+    return t
+
+
 def chunk_gated_delta_transition(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                                  use_qk_l2norm_in_kernel=False):
     """The reference signature (ops/reference/gated_delta.py): the chunked recurrence from `initial_state`
@@ -251,40 +291,16 @@ def chunk_gated_delta_transition(q, k, v, g, beta, *, scale=None, initial_state=
     fast backend's chunk kernel."""
     st = _fla_stages() if q.is_cuda and TRANSITION_STAGES else None
     if st is None or needs_grad(q, k, v, g, beta, initial_state):
-        dv, dk = v.shape[-1], k.shape[-1]
-        r = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        init = (torch.zeros(r, v.shape[-2], dk, dv, device=v.device) if initial_state is None
-                else initial_state.float())
-        va = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], dim=-1)
-        eye = torch.eye(dk, device=v.device).expand(r, v.shape[-2], dk, dk)
-        o, final = chunk_gated_delta_rule(q, k, va, g, beta, scale=scale, initial_state=torch.cat([init, eye], -1),
-                                          output_final_state=True, cu_seqlens=cu_seqlens,
-                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        return o[..., :dv], final[..., :dv], final[..., dv:]
-    l2norm_fwd, cumsum, rcp_ln2, intra, fwd_h, fwd_o = st
-    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
-    dk, hv = k.shape[-1], v.shape[-2]
-    scale = dk ** -0.5 if scale is None else scale
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
-    cu, _, chunks = _cu(cu_seqlens, q.device)
-    r = 1 if cu is None else cu.shape[0] - 1
-    init = (torch.zeros(r, hv, dk, v.shape[-1], device=q.device) if initial_state is None
+        from .reference.gated_delta import transition_by_augment
+
+        return transition_by_augment(chunk_gated_delta_rule, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    q, k, v, beta, scale = _stages_prepare(st, q, k, v, beta, scale, use_qk_l2norm_in_kernel)
+    r = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    init = (torch.zeros(r, v.shape[-2], k.shape[-1], v.shape[-1], device=q.device) if initial_state is None
             else initial_state.float().contiguous())
-    gc = cumsum(g.float().contiguous(), chunk_size=64, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
-    w, u, _ = intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_indices=chunks, chunk_size=64)
-    h, v_new, final = fwd_h(k=k, w=w, u=u, g=gc, initial_state=init, output_final_state=True, cu_seqlens=cu,
-                            chunk_indices=chunks)
-    key = (tuple(w.shape), r, str(q.device), w.dtype)
-    zi = _ZEROS.get(key)
-    if zi is None:                             # read-only: zero values and the identity, per shape
-        if len(_ZEROS) > 8:
-            _ZEROS.clear()
-        zi = _ZEROS[key] = (w.new_zeros(w.shape), torch.eye(dk, device=q.device).expand(r, hv, dk, dk).contiguous())
-    _, _, t = fwd_h(k=k, w=w, u=zi[0], g=gc, initial_state=zi[1], output_final_state=True, save_new_value=False,
-                    cu_seqlens=cu, chunk_indices=chunks)
-    o = fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu, chunk_indices=chunks)
-    return o.to(v.dtype), final, t
+    o, final, reuse = _stages_forward(st, q, k, v, g, beta, scale, cu_seqlens, init)
+    return o, final, _stages_transitions(st, k, reuse, r)
 
 
 def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=None, use_qk_l2norm_in_kernel=False):
@@ -307,38 +323,20 @@ def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=Non
         return isolated_by_parts(chunk_gated_delta_rule, chunk_gated_delta_transition, q, k, v, g, beta,
                                  cu_seqlens=cu_seqlens, seams=seams, scale=scale,
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    l2norm_fwd, cumsum, rcp_ln2, intra, fwd_h, fwd_o = st
-    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
-    dk, hv, dv = k.shape[-1], v.shape[-2], v.shape[-1]
+    q, k, v, beta, scale = _stages_prepare(st, q, k, v, beta, scale, use_qk_l2norm_in_kernel)
     r = len(seams)
-    scale = dk ** -0.5 if scale is None else scale
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
     # 1. the seam windows
     idx = torch.cat([torch.arange(a, a + sw) for a, sw in zip(bounds[:-1], seams)]).to(q.device, non_blocking=True)
     _, s_w = recurrent_gated_delta_rule(q[:, idx], k[:, idx], v[:, idx], g[:, idx], beta[:, idx], scale=scale,
                                         output_final_state=True, cu_seqlens=torch.tensor([0] + list(seams)).cumsum(0))
     # 2. the cut layout: pieces alternate seam, rest
     split = [x for a, sw in zip(bounds[:-1], seams) for x in (a, a + sw)] + [bounds[-1]]
-    cu, _, chunks = _cu(torch.tensor(split), q.device)
     init = s_w.new_zeros((2 * r,) + tuple(s_w.shape[1:]))
     init[1::2] = s_w
-    gc = cumsum(g.float().contiguous(), chunk_size=64, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
-    w, u, _ = intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_indices=chunks, chunk_size=64)
-    h, v_new, final = fwd_h(k=k, w=w, u=u, g=gc, initial_state=init, output_final_state=True, cu_seqlens=cu,
-                            chunk_indices=chunks)
-    o = fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu, chunk_indices=chunks)
+    o, final, reuse = _stages_forward(st, q, k, v, g, beta, scale, torch.tensor(split), init)
     # 3. the rests' transitions
-    key = (tuple(w.shape), 2 * r, str(q.device), w.dtype)
-    zi = _ZEROS.get(key)
-    if zi is None:                             # read-only: zero values and the identity, per shape
-        if len(_ZEROS) > 8:
-            _ZEROS.clear()
-        zi = _ZEROS[key] = (w.new_zeros(w.shape), torch.eye(dk, device=q.device).expand(2 * r, hv, dk, dk).contiguous())
-    _, _, tt = fwd_h(k=k, w=w, u=zi[0], g=gc, initial_state=zi[1], output_final_state=True, save_new_value=False,
-                     cu_seqlens=cu, chunk_indices=chunks)
-    t, s_n = tt[1::2], final[1::2]
-    return o.to(v.dtype), s_n, t, s_n - t @ s_w
+    t, s_n = _stages_transitions(st, k, reuse, 2 * r)[1::2], final[1::2]
+    return o, s_n, t, s_n - t @ s_w
 
 
 def _conv_layout(cu: tuple, wm1: int, device):

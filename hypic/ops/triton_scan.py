@@ -92,34 +92,17 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
 
 
 @triton.jit
-def _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
-    """The operands of chain step j (its row of `steps`, W int64 columns: T address or run offset, S address
-    or run offset, is_run, slot[, first token, tokens]): (T [K, K], S [K, BV]). A run's [S | T] lies in A
-    (address a_addr) at that byte offset."""
+def _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr,
+                BT: tl.constexpr):
+    """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
+    S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
+    a_addr) at that byte offset. Without CORRECT, before[slot] <- x for runs; with it, the run's
+    tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's [N, H, V + K]
+    outputs, u_t its last K columns), x being the run's true initial state."""
     row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
-    is_run = tl.load(row + 2) != 0
-    base = tl.where(is_run, a_addr, 0)
-    tp = (tv + base).to(tl.pointer_type(tl.float32))
-    sp = (sv + base).to(tl.pointer_type(tl.float32))
-    rs_t = tl.where(is_run, V + K, K)
-    hs_t = tl.where(is_run, K * (V + K), K * K)
-    c_t = tl.where(is_run, V, 0)
-    rs_s = tl.where(is_run, V + K, V)
-    hs_s = tl.where(is_run, K * (V + K), K * V)
-    t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
-    s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
-    return t, s
-
-
-@triton.jit
-def _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
-    """What step j does with the state x before its map: without CORRECT, before[slot] <- x for runs; with it,
-    the run's tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's [N, H, V + K]
-    outputs, u_t its last K columns), x being the run's true initial state."""
-    row = steps + j.to(tl.int64) * W
     is_run = tl.load(row + 2) != 0
     if CORRECT:
         t0 = tl.load(row + 4)
@@ -136,6 +119,17 @@ def _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H:
     else:
         slot = tl.load(row + 3)
         tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
+    base = tl.where(is_run, a_addr, 0)
+    tp = (tv + base).to(tl.pointer_type(tl.float32))
+    sp = (sv + base).to(tl.pointer_type(tl.float32))
+    rs_t = tl.where(is_run, V + K, K)
+    hs_t = tl.where(is_run, K * (V + K), K * K)
+    c_t = tl.where(is_run, V, 0)
+    rs_s = tl.where(is_run, V + K, V)
+    hs_s = tl.where(is_run, K * (V + K), K * V)
+    t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
+    s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
+    return tl.dot(t, x, input_precision=PREC) + s
 
 
 @triton.jit
@@ -157,15 +151,13 @@ def _scan_steps_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H
     j1 = tl.load(cu + r + 1)
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            t, s = _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
-            _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
-            x = tl.dot(t, x, input_precision=PREC) + s
+            x = _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC,
+                            W, CORRECT, BT)
     else:
         j = j0
         while j < j1:
-            t, s = _chain_load(j, steps, a_addr, h, rk, rv, m_kv, m_kk, K, V, W)
-            _chain_side(x, j, steps, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, W, CORRECT, BT)
-            x = tl.dot(t, x, input_precision=PREC) + s
+            x = _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC,
+                            W, CORRECT, BT)
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 

@@ -108,21 +108,29 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     return o[0, ..., :dv], o[0, ..., dv:], final
 
 
+def transition_by_augment(chunk, q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+                          use_qk_l2norm_in_kernel=False):
+    """chunk_gated_delta_transition from a backend's chunk_gated_delta_rule: K zero value columns appended,
+    their initial state the identity (compose/transition.py `augment`)."""
+    from ...compose.transition import augment
+
+    dv, dk = v.shape[-1], k.shape[-1]
+    r = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    init = (torch.zeros(r, v.shape[-2], dk, dv, device=v.device) if initial_state is None
+            else initial_state.float())
+    va, init_aug = augment(v, init, dk)
+    o, final = chunk(q, k, va, g, beta, scale=scale, initial_state=init_aug, output_final_state=True,
+                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o[..., :dv], final[..., :dv], final[..., dv:]
+
+
 def chunk_gated_delta_transition(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                                  use_qk_l2norm_in_kernel=False):
     """The chunked recurrence from `initial_state` that also gives each run's transition T (state after =
-    T @ state before + the zero-start state after): K zero value columns appended, their initial state the
-    identity. Returns (o [B, N, HV, V], final [R, HV, K, V] fp32, T [R, HV, K, K] fp32)."""
-    dv, dk = v.shape[-1], k.shape[-1]
-    r = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    hv = v.shape[-2]
-    init = torch.zeros(r, hv, dk, dv, device=v.device) if initial_state is None else initial_state.float()
-    va = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], dim=-1)
-    eye = torch.eye(dk, device=v.device).expand(r, hv, dk, dk)
-    o, final = chunk_gated_delta_rule(q, k, va, g, beta, scale=scale, initial_state=torch.cat([init, eye], dim=-1),
-                                      output_final_state=True, cu_seqlens=cu_seqlens,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return o[..., :dv], final[..., :dv], final[..., dv:]
+    T @ state before + the zero-start state after). Returns (o [B, N, HV, V], final [R, HV, K, V] fp32,
+    T [R, HV, K, K] fp32)."""
+    return transition_by_augment(chunk_gated_delta_rule, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def isolated_by_parts(chunk, transition, q, k, v, g, beta, *, cu_seqlens, seams, scale=None,
