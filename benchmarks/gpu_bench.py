@@ -388,7 +388,11 @@ def main():
 
         from hypic.ops import triton_scan as _ts
 
-        variants = []
+        def factored(on):
+            _linear.RUN_FACTORS = on
+
+        # the runs' transitions dense [S | T] in the chain scan (before run 27) instead of factored
+        variants = [("runs_T_dense", lambda: factored(False), lambda: factored(True))]
         if args.all_variants:
             variants += [("correction_after_scan", lambda: fused(False), lambda: fused(True)),
                          ("graph_in_4_pieces", lambda: pieces(4), lambda: pieces(1))]

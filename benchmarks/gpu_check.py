@@ -338,6 +338,69 @@ def check_scan(dev):
     row("Triton scan with the readout correction fused vs fp64", rel(got[..., :128], want), 2e-2)
     one["step table + fused correction"] = bench(lambda: triton_scan.scan_steps(
         one_init, steps6, cu_t, runs, 42, outputs=outs.clone(), max_run=16))
+    # the warm pic request's chain with real runs (20 seams of 8 tokens, then the query's 4 pieces and 2 pad
+    # runs of 16; the query's as a second chain here): their summaries with dense [S | T], or S with T factored
+    # (T = gamma I - Kd^T W, rank <= 16), each scanned through the step table with the fused correction
+    from hypic.ops import triton_summary
+    from hypic.ops.reference.gated_delta import factors_to_dense
+
+    lens = [8] * 20 + [16] * 6
+    q, k, v, gate, beta, cu_r, _ = gdn_inputs(lens, dev=dev, seed=7)
+    cu_r = cu_r.to(dev)
+    o_d, u_d, aug = triton_summary.chunk_summary(q, k, v, gate, beta, cu_r, 16, use_qk_l2norm_in_kernel=True)
+    o_f, u_f, S_r, F_r = triton_summary.chunk_summary(q, k, v, gate, beta, cu_r, 16, use_qk_l2norm_in_kernel=True,
+                                                      factors=True)
+    row("Triton chunked run summary, factored T vs dense: T", rel(factors_to_dense(S_r, F_r), aug), 1e-5)
+    row("Triton chunked run summary, factored vs dense: outputs", rel(o_f, o_d), 1e-6)
+    wd = (F_r.shape[2] - 1) // 2
+    order = [20 + i // 2 if i % 2 == 0 else i // 2 for i in range(40)] + [40, 41, 42, 43, 44, 45]
+    rows_d, rows_f = [], []
+    for m in order:
+        if m < 20:
+            a = [one_T[m].data_ptr(), one_S[m].data_ptr(), 0, m]
+            rows_d.append(a)
+            rows_f.append(a)
+        else:
+            i = m - 20
+            rows_d.append([i * 32 * 128 * 256 * 4] * 2 + [1, m])
+            rows_f.append([i * 32 * (2 * wd + 1) * 128 * 4, i * 32 * 128 * 128 * 4, 1, m])
+    tok0 = [int(x) for x in cu_r[:-1].tolist()]
+    rows_d = [r_ + ([tok0[r_[3] - 20], lens[r_[3] - 20]] if r_[2] else [0, 0]) for r_ in rows_d]
+    rows_f = [r_ + ([tok0[r_[3] - 20], lens[r_[3] - 20]] if r_[2] else [0, 0]) for r_ in rows_f]
+    st_d = torch.tensor(rows_d, dtype=torch.long, device=dev)
+    st_f = torch.tensor(rows_f, dtype=torch.long, device=dev)
+    cu2 = torch.tensor([0, 44, 46], dtype=torch.int32, device=dev)
+    init2 = torch.cat([one_init, torch.zeros_like(one_init)])
+    b0, f0 = scan_dense_reference(init2.double(), one_T[:20].double(), one_S[:20].double(), [0, 44, 46], order,
+                                  aug.double())
+    _, f_d = triton_scan.scan_steps(init2, st_d, cu2, aug, 46)
+    _, f_f = triton_scan.scan_steps(init2, st_f, cu2, S_r, 46, factors=F_r)
+    row("Triton scan, step table, runs' T dense vs fp64", rel(f_d, f0), 1e-5)
+    row("Triton scan, step table, runs' T factored vs fp64 (dense)", rel(f_f, f0), 1e-5)
+    full_d = torch.cat([o_d, u_d], -1)
+    full_f = full_d.clone()
+    triton_scan.scan_steps(init2, st_d, cu2, aug, 46, outputs=full_d, max_run=16)
+    triton_scan.scan_steps(init2, st_f, cu2, S_r, 46, outputs=full_f, max_run=16, factors=F_r)
+    row("Triton scan + fused correction, runs' T factored vs dense: outputs", rel(full_f, full_d), 2e-2)
+    outs_d, outs_f = torch.cat([o_d, u_d], -1), torch.cat([o_f, u_f], -1)
+    timed_fns = {
+        "real runs, dense T: summary": lambda: triton_summary.chunk_summary(
+            q, k, v, gate, beta, cu_r, 16, use_qk_l2norm_in_kernel=True),
+        "real runs, factored T: summary": lambda: triton_summary.chunk_summary(
+            q, k, v, gate, beta, cu_r, 16, use_qk_l2norm_in_kernel=True, factors=True),
+        "real runs, dense T: scan + correction": lambda: triton_scan.scan_steps(
+            init2, st_d, cu2, aug, 46, outputs=outs_d.clone(), max_run=16),
+        "real runs, factored T: scan + correction": lambda: triton_scan.scan_steps(
+            init2, st_f, cu2, S_r, 46, outputs=outs_f.clone(), max_run=16, factors=F_r)}
+    for bv, w, st in triton_scan._CONFIGS:
+        timed_fns[f"real runs, factored T: scan bv={bv} warps={w} stages={st}"] = (
+            lambda bv=bv, w=w, st=st: triton_scan.scan_steps(init2, st_f, cu2, S_r, 46, factors=F_r, bv=bv, warps=w,
+                                                             stages=st))
+    for name, fn in timed_fns.items():
+        try:
+            one[name] = bench(fn)
+        except Exception as e:  # a configuration this GPU cannot build
+            one[name] = repr(e)[:80]
     for k, v in one.items():
         print(f"   scan 1 request (42 maps) x 32 heads, {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
     print(f"   scan tuned picks: {triton_scan.TUNED}")

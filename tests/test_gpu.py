@@ -143,9 +143,10 @@ def test_triton_position_attention_matches_reference():
 
 @cuda
 def test_triton_summary_matches_reference():
-    """Runs from [0 | I]: the Triton kernels (token by token, chunked) against the fp32 reference on bf16
-    inputs (the fla bound)."""
+    """Runs from [0 | I]: the Triton kernels (token by token, chunked; the chunked one also with T factored)
+    against the fp32 reference on bf16 inputs (the fla bound)."""
     pytest.importorskip("triton")
+    from hypic.ops.reference.gated_delta import factors_to_dense
     from hypic.ops.triton_summary import chunk_summary, summary
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -165,6 +166,14 @@ def test_triton_summary_matches_reference():
     got = chunk_summary(q, k, v, gate, beta, cu, max(lens), use_qk_l2norm_in_kernel=True)
     for a, b in zip(got, want):
         assert rel(a, b) < 2e-2
+    # the transitions factored (reference run_factors): the same kernel's products, so the dense T they give
+    # matches its dense form to fp32 rounding, and the reference's to the bf16-input bound
+    fac = chunk_summary(q, k, v, gate, beta, cu, max(lens), use_qk_l2norm_in_kernel=True, factors=True)
+    wf = ref.recurrent_gated_delta_summary(q.float(), k.float(), v.float(), gate, beta.float(), cu_seqlens=cu,
+                                           use_qk_l2norm_in_kernel=True, max_len=max(lens), factors=True)
+    for a, b in zip(fac, wf):
+        assert rel(a, b) < 2e-2
+    assert rel(factors_to_dense(fac[2], fac[3]), got[2]) < 1e-5
 
 
 @cuda
@@ -300,9 +309,9 @@ def test_pic_training_step_on_cuda_matches_cpu():
 
 def test_triton_scan_in_triton_interpreter():
     """Where triton is installed but there is no GPU: the scan kernel's forms (stacked maps, slot order,
-    runs read in place, the compose pass's step table and two chains), the split-K position attention,
-    the zero-start summary of short runs and the gathered conv run in Triton's CPU interpreter against
-    the fp64 references; a whole compose pass through those kernels equals the planned walk, and so does
+    runs read in place, the compose pass's step table and two chains, runs' transitions dense or factored),
+    the split-K position attention, the zero-start summary of short runs (dense or factored transitions) and
+    the gathered conv run in Triton's CPU interpreter against the fp64 references; a whole compose pass through those kernels equals the planned walk, and so does
     one with every kernel marked as failed to build (their PyTorch forms; a subprocess: the interpreter
     is chosen when triton is imported)."""
     import importlib.util
@@ -389,6 +398,25 @@ from hypic.ops.triton_summary import chunk_summary
 for bv, lmax in ((16, 16), (32, 16), (64, 40)):          # one chunk per run (16 rows; 64 rows)
     got = chunk_summary(q, k, v, g, beta, cu, lmax, use_qk_l2norm_in_kernel=True, block_v=bv)
     assert all(rel(a, b.double()) < 1e-6 for a, b in zip(got, want)), bv
+    # the transitions in factored form (reference run_factors; zero rows past each run)
+    wf = recurrent_gated_delta_summary(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, max_len=lmax,
+                                       factors=True)
+    got = chunk_summary(q, k, v, g, beta, cu, lmax, use_qk_l2norm_in_kernel=True, block_v=bv, factors=True)
+    assert got[3].shape == wf[3].shape and all(rel(a, b.double()) < 1e-6 for a, b in zip(got, wf)), bv
+# the step-table scan with the runs' transitions factored, against the fp64 chain over their dense form
+from hypic.ops.reference.gated_delta import factors_to_dense
+S_r, F_r = wf[2].contiguous(), wf[3].contiguous()
+nr, wd = S_r.shape[0], (F_r.shape[2] - 1) // 2
+init_f = torch.randn(2, hv, dk, dv)
+T_f, S_f = [torch.randn(hv, dk, dk) / dk ** .5 * .9 for _ in range(2)], [torch.randn(hv, dk, dv) for _ in range(2)]
+order_f = [2, 0, 3, 1, 4, 5]                        # run, entry, run, entry, run | run (a second chain)
+rows_f = [[T_f[m].data_ptr(), S_f[m].data_ptr(), 0, m] if m < 2 else
+          [(m - 2) * hv * (2 * wd + 1) * dk * 4, (m - 2) * hv * dk * dv * 4, 1, m] for m in order_f]
+cu_f = torch.tensor([0, 5, 6], dtype=torch.int32)
+b0, f0 = sc.scan_dense_reference(init_f.double(), torch.stack(T_f).double(), torch.stack(S_f).double(), cu_f,
+                                 order_f, factors_to_dense(S_r, F_r).double())
+b1, f1 = triton_scan.scan_steps(init_f, torch.tensor(rows_f, dtype=torch.int64), cu_f, S_r, 2 + nr, factors=F_r)
+assert rel(f1, f0) < 1e-6 and rel(b1[2:], b0[2:]) < 1e-6
 from hypic.ops.triton_conv import gathered_conv
 src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
 w, b = torch.randn(300, 4), torch.randn(300)
@@ -407,7 +435,8 @@ out = {}
 for comp in ("eager", "static"):
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose=comp, seed=0)
     out[comp] = [llm.generate([p], sp)[0] for p in ps]
-assert llm.engine.composer.runs == len(ps) and "steps" in next(iter(llm.engine.composer.ready.values()))[0].layers[0]
+lay0 = next(iter(llm.engine.composer.ready.values()))[0].layers[0]
+assert llm.engine.composer.runs == len(ps) and "steps" in lay0 and lay0["factor_width"] == 16
 for a, b in zip(out["eager"], out["static"]):
     assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary"))   # kernels that could not

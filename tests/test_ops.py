@@ -78,6 +78,42 @@ def test_chunk_transition_composes_exactly(backend):
         torch.testing.assert_close(t[i].double(), want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["reference", "fast"])
+def test_run_summary_factors_give_the_transition(backend):
+    """recurrent_gated_delta_summary(..., factors=True): the same outputs and S as the dense summary, and a
+    transition T = gamma I - Kd^T W (run_factors) equal to the product of the run's token maps exp(g_t)
+    (I - beta_t k_t k_t^T), for runs of 0 to 16 tokens padded to 16 rows (rows past a run zero), so a chain
+    step through the factors, gamma x - Kd^T (W x) + S, is the dense step. fp32 ops: the bounds are fp32
+    rounding over <= 16 steps. (On CUDA the fast backend's chunked Triton kernel: tests/test_gpu.py.)"""
+    from hypic.ops import get_backend
+    from hypic.ops.reference.gated_delta import factor_width, factors_to_dense
+
+    op = get_backend(backend).recurrent_gated_delta_summary
+    lens = [3, 16, 0, 1, 9]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, g, beta, _ = _inputs(1, sum(lens), 2, 4, 24, 6, seed=5, decay=0.5)
+    o, u, dense = op(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, max_len=16)
+    o2, u2, S, fac = op(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, max_len=16, factors=True)
+    assert factor_width(16) == 16 and factor_width(9) == 16 and factor_width(17) == 32
+    assert fac.shape == (len(lens), 4, 33, 24) and S.shape == (len(lens), 4, 24, 6)
+    torch.testing.assert_close(o2, o)
+    torch.testing.assert_close(u2, u)
+    torch.testing.assert_close(factors_to_dense(S, fac), dense, atol=2e-6, rtol=1e-5)
+    kn = F.normalize(k.double(), dim=-1).repeat_interleave(2, dim=2)
+    x = torch.randn(4, 24, 6, dtype=torch.float64)
+    for i, n in enumerate(lens):
+        assert not fac[i, :, n:16].any() and not fac[i, :, 16 + n : 32].any()
+        want = torch.eye(24, dtype=torch.float64).expand(4, 24, 24)
+        for j in range(int(cu[i]), int(cu[i + 1])):
+            kj, bj = kn[0, j], beta[0, j].double()
+            step = g[0, j].double().exp()[:, None, None] * (torch.eye(24, dtype=torch.float64) - bj[:, None, None]
+                                                            * kj[:, :, None] * kj[:, None, :])
+            want = step @ want
+        kd, w, gam = fac[i, :, :16].double(), fac[i, :, 16:32].double(), fac[i, :, 32, 0].double()
+        torch.testing.assert_close(gam[:, None, None] * x - kd.transpose(-1, -2) @ (w @ x), want @ x,
+                                   atol=2e-5, rtol=1e-5)
+
+
 def test_initial_state_is_not_modified():
     q, k, v, g, beta, s0 = _inputs(1, 20, 1, 1, 4, 4)
     before = s0.clone()

@@ -52,6 +52,16 @@ class GatedDeltaNet(LinearMixer):
 
         return self.ops.name == "fast" and fla_available()
 
+    def factored_runs(self, device, max_len: int) -> bool:
+        """The backend's chunked summary kernel gives the runs' transitions in factored form."""
+        from ..ops.fast import triton_kernel
+
+        if self.ops.name != "fast" or triton_kernel("chunk_summary") is None:
+            return False
+        from ..ops.triton_summary import CHUNK_MAX
+
+        return max_len <= CHUNK_MAX
+
     @property
     def state_shape(self):
         return self.hv, self.dk, self.dv
@@ -65,13 +75,14 @@ class GatedDeltaNet(LinearMixer):
         return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(self.in_proj_b(x))}
 
     def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None, init_augmented=False,
-               max_len=None):
+               max_len=None, factors=False):
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.reshape(-1, self.h, self.dk), k.reshape(-1, self.h, self.dk), v.reshape(-1, self.hv, self.dv)
         if init_augmented:             # every run from [0 | I] (the compose pass's short runs): one op, no init read
             return self.ops.recurrent_gated_delta_summary(q[None], k[None], v[None], f["g"][None, idx],
                                                           f["beta"][None, idx], cu_seqlens=cu,
-                                                          use_qk_l2norm_in_kernel=True, max_len=max_len)
+                                                          use_qk_l2norm_in_kernel=True, max_len=max_len,
+                                                          factors=factors)
         # short runs only (decode tokens, seam windows, a short query): the fused recurrent kernel is one
         # launch of exact fp32 steps; the chunked one costs several launches and pads every run to 64
         # (short given: the caller knows, and cu may be on the device: reading it would sync)

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..cache.entry import LinearSummary
 from ..compose.transition import Form, Transition, compose, zero_start
+from ..ops.reference.gated_delta import factor_width, factors_to_dense
 from ..runtime.batch import Apply, ForwardBatch, Run
 from ..runtime.state import LinearState
 
@@ -123,6 +124,11 @@ class LinearMixer(nn.Module):
         """The fixed-buffer compose pass can be captured as a CUDA graph on this device (no host reads)."""
         return False
 
+    def factored_runs(self, device, max_len: int) -> bool:
+        """kernel(..., init_augmented=True, factors=True) gives the runs' transitions in factored form (reference
+        `run_factors`) by a kernel, for runs of up to max_len tokens (a family with such a summary says so)."""
+        return False
+
     def compose_buffers(self, shape, device, dtype, shared: dict) -> dict:
         """init [2, H, K, V]: the request's initial state, then the pad chain's zero. The cached (T, S):
         an address table where the Triton scan reads them in place (CUDA), else stacked copies."""
@@ -135,9 +141,12 @@ class LinearMixer(nn.Module):
                    src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
         if kernel_ready(device):
             # the chain's step table [E + R, 6] (runtime/compose_graph.py gives every layer a row of one host
-            # and one device tensor, copied once per request)
+            # and one device tensor, copied once per request); the runs' transitions in factored form where the
+            # chunked summary kernel gives them (RUN_FACTORS; its width: the padded run length)
             shared.setdefault("steps", []).append(buf)
             buf["keep"] = []
+            if RUN_FACTORS and self.factored_runs(device, shape.lmax):
+                buf["factor_width"] = factor_width(shape.lmax)
         else:
             buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))
         return buf
@@ -176,9 +185,9 @@ class LinearMixer(nn.Module):
                 addr[i] = a
             buf["keep"], buf["parts"] = keep, parts
             rows = buf["steps_host"].numpy()
-            is_run, off, ent, rest = self._step_columns(low)
-            rows[:, 0] = np.where(is_run, off, addr[ent, 0])
-            rows[:, 1] = np.where(is_run, off, addr[ent, 1])
+            is_run, off_t, off_s, ent, rest = self._step_columns(low, buf.get("factor_width"))
+            rows[:, 0] = np.where(is_run, off_t, addr[ent, 0])
+            rows[:, 1] = np.where(is_run, off_s, addr[ent, 1])
             rows[:, 2:] = rest
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
@@ -191,11 +200,11 @@ class LinearMixer(nn.Module):
                 last, t = low.tail_rows[-1]
                 torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
 
-    def _step_columns(self, low):
+    def _step_columns(self, low, width: int | None):
         """The step table's columns every layer of this state shape shares, made once per request: is_run,
-        each run's byte offset in the runs' [S | T], each cached map's entry index, and (is_run, slot,
-        first token, tokens)."""
-        key = ("steps", self.state_shape)
+        each run's byte offsets (of its [S | T]; or, with factors of `width` rows, of its factors and of its S),
+        each cached map's entry index, and (is_run, slot, first token, tokens)."""
+        key = ("steps", self.state_shape, width)
         hit = low.memo.get(key)
         if hit is None:
             h, k, v = self.state_shape
@@ -206,7 +215,11 @@ class LinearMixer(nn.Module):
             cu = low.tables["cu"].numpy()                                 # each run's tokens (for the correction)
             rest = np.stack([is_run.astype(np.int64), order, np.where(is_run, cu[ri], 0),
                              np.where(is_run, cu[ri + 1] - cu[ri], 0)], axis=1)
-            hit = low.memo[key] = (is_run, ri * (h * k * (v + k) * 4), np.minimum(order, e - 1), rest)
+            if width is None:
+                off_t = off_s = ri * (h * k * (v + k) * 4)
+            else:
+                off_t, off_s = ri * (h * (2 * width + 1) * k * 4), ri * (h * k * v * 4)
+            hit = low.memo[key] = (is_run, off_t, off_s, np.minimum(order, e - 1), rest)
         return hit
 
     def _forward_captured(self, x, f, batch):
@@ -242,10 +255,12 @@ class LinearMixer(nn.Module):
             if bias is not None:
                 y = y + bias.float()
             conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
-        o0, u, aug = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu, True, readout=True,
-                                 short=True, init_augmented=True, max_len=sh.lmax)
-        # the chain: entries' (T, S) from their slots, the runs' [S | T] read where the kernel wrote them
-        aug = aug.float().contiguous()
+        # every run from zero: outputs, readout, and the runs' maps, [S | T] or S with T's factors (RUN_FACTORS)
+        factored = "factor_width" in buf
+        o0, u, *maps = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu, True, readout=True,
+                                   short=True, init_augmented=True, max_len=sh.lmax, factors=factored)
+        # the chain: entries' (T, S) from their slots, the runs' maps read where the kernel wrote them
+        runs, factors = maps[0].float().contiguous(), (maps[1] if factored else None)
         final = None
         if "steps" in buf and triton_kernel("steps") is not None:
             # FUSE_CORRECTION: the scan corrects the runs' outputs in place as it reaches each run (its initial
@@ -257,8 +272,8 @@ class LinearMixer(nn.Module):
             full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1)) \
                 if fused else None
             try:
-                before, final = scan_steps(buf["init"], buf["steps"], c.cu_maps, aug, e + sh.runs, outputs=full,
-                                           max_run=sh.lmax)
+                before, final = scan_steps(buf["init"], buf["steps"], c.cu_maps, runs, e + sh.runs, outputs=full,
+                                           max_run=sh.lmax, factors=factors)
             except Exception as err:  # the maps stacked from now on (eager)
                 kernel_failed("steps", err)
             else:
@@ -270,6 +285,7 @@ class LinearMixer(nn.Module):
                 T, S = stack_dense([(p.T, p.S) for p in buf["parts"]])
             else:
                 T, S = buf["T"], buf["S"]
+            aug = runs if factors is None else factors_to_dense(runs, factors)
             before, final = scan_dense(buf["init"], T, S, c.cu_maps, order=c.order, runs=aug)
         c.outputs[self.layer_idx] = (final[0], src[c.window])                 # final state, conv window
         return _corrected(o0, u, before[e:], c.run_of, c.pos_in_run, sh.lmax)    # before[e:]: each run's start
@@ -678,6 +694,7 @@ _SHORT_RUN = 64
 _CORRECTED_TOKENS = 4096
 LONG_CHAINS_EVERYWHERE = False     # tests: take the one-call walk for long chains on the CPU too
 FUSE_CORRECTION = True             # the compose pass's step-table scan corrects the runs' outputs itself
+RUN_FACTORS = True                 # the compose pass's runs' transitions in factored form where a kernel gives them
 
 
 def _isolated_ok(batch, fresh: bool) -> bool:

@@ -15,7 +15,10 @@ Triton can pipeline the next map's loads behind this map's products (`stages`).
 `scan_steps` is the compose pass's form: a table names each step's T and S by address (a cached
 segment's own tensors where the cache keeps them; a run's at its offset in the runs' buffer), so no
 map is copied and the loop reads no slot order (H200 run 13: the address-table-through-`order` form
-cost 0.28 ms per layer against 0.17 ms for stacked maps).
+cost 0.28 ms per layer against 0.17 ms for stacked maps). A short run's transition may come factored,
+T = gamma I - Kd^T W with Kd, W of w <= 64 rows (ops/reference/gated_delta.py `run_factors`): its step
+is then x <- gamma x - Kd^T (W x) + S, two [w x K] products instead of a dense [K x K] one, reading
+2 w K floats instead of K^2 (the warm pic request: 24 of its 44 steps per layer are such runs).
 
 The block width, warps and pipeline depth are picked per shape by timing a few configurations on
 the first eager call (not while a CUDA graph is being captured: then the default is used).
@@ -92,12 +95,14 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
 
 
 @triton.jit
-def _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H: tl.constexpr,
+def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr,
-                BT: tl.constexpr):
+                BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr):
     """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
     S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
-    a_addr) at that byte offset. Without CORRECT, before[slot] <- x for runs; with it, the run's
+    a_addr) at that byte offset; with FACTORS its S [H, K, V] lies there and its transition's factors
+    [H, 2 BF + 1, K] (Kd, W, gamma: T = gamma I - Kd^T W) at the first offset from f_addr, and the step is
+    x <- gamma x - Kd^T (W x) + S. Without CORRECT, before[slot] <- x for runs; with it, the run's
     tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's [N, H, V + K]
     outputs, u_t its last K columns), x being the run's true initial state."""
     row = steps + j.to(tl.int64) * W
@@ -120,6 +125,23 @@ def _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, 
         slot = tl.load(row + 3)
         tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
     base = tl.where(is_run, a_addr, 0)
+    if FACTORS:
+        sp = (sv + base).to(tl.pointer_type(tl.float32))
+        s = tl.load(sp + h * (K * V) + rk[:, None] * V + rv[None, :], mask=m_kv, other=0.0)
+        if is_run:
+            fp = (tv + f_addr).to(tl.pointer_type(tl.float32)) + h * ((2 * BF + 1) * K)
+            rf = tl.arange(0, BF)
+            mf = (rf < BF)[:, None] & (rk < K)[None, :]
+            kd = tl.load(fp + rf[:, None] * K + rk[None, :], mask=mf, other=0.0)
+            wf = tl.load(fp + (BF + rf)[:, None] * K + rk[None, :], mask=mf, other=0.0)
+            gam = tl.load(fp + 2 * BF * K)
+            y = tl.dot(wf, x, input_precision=PREC)                                    # [BF, BV]
+            xn = gam * x - tl.dot(tl.trans(kd), y, input_precision=PREC) + s
+        else:
+            tp = tv.to(tl.pointer_type(tl.float32))
+            t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk, other=0.0)
+            xn = tl.dot(t, x, input_precision=PREC) + s
+        return xn
     tp = (tv + base).to(tl.pointer_type(tl.float32))
     sp = (sv + base).to(tl.pointer_type(tl.float32))
     rs_t = tl.where(is_run, V + K, K)
@@ -133,9 +155,10 @@ def _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, 
 
 
 @triton.jit
-def _scan_steps_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                       W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
+def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                       STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
+                       FACTORS: tl.constexpr, BF: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -151,13 +174,13 @@ def _scan_steps_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H
     j1 = tl.load(cu + r + 1)
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            x = _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC,
-                            W, CORRECT, BT)
+            x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K,
+                            V, PREC, W, CORRECT, BT, FACTORS, BF)
     else:
         j = j0
         while j < j1:
-            x = _chain_step(x, j, steps, a_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K, V, PREC,
-                            W, CORRECT, BT)
+            x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K,
+                            V, PREC, W, CORRECT, BT, FACTORS, BF)
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
@@ -256,8 +279,9 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, orde
 
 
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
-               outputs: torch.Tensor | None = None, max_run: int = 16, bv: int | None = None,
-               warps: int | None = None, stages: int | None = None, tune: bool = True, precision: str = "tf32x3"):
+               outputs: torch.Tensor | None = None, max_run: int = 16, factors: torch.Tensor | None = None,
+               bv: int | None = None, warps: int | None = None, stages: int | None = None, tune: bool = True,
+               precision: str = "tf32x3"):
     """The compose pass's form: chains described step by step, no map copied.
 
     init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
@@ -265,14 +289,24 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     S [H, K, V]), (byte offset, byte offset, 1, slot[, first token, tokens]) for a run, whose [S | T] is
     runs[i] [H, K, V + K] (fp32, contiguous; offset i * H * K * (V + K) * 4); cu [R + 1] int32 (device):
     chain r is steps cu[r]..cu[r+1]-1.
+    factors (optional) [N, H, 2 w + 1, K] fp32 contiguous: the runs' transitions in factored form (reference
+    `run_factors`); runs is then S [N, H, K, V], and a run's row holds (its factors' byte offset i * H * (2 w + 1)
+    * K * 4, its S's i * H * K * V * 4, 1, ...).
     outputs (optional, needs the 6-column table): the run summaries' outputs [N, H, V + K] (o_t(0) in the first
     V columns, u_t in the last K), corrected in place to the runs' true initial states, o_t = o_t(0) +
     S0^T u_t, runs of at most max_run tokens; `before` is then not written.
     Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
     r, h, k, v = init.shape
     init = init.float().contiguous()
-    if not (runs.is_contiguous() and runs.dtype == torch.float32 and runs.shape[-1] == v + k):
-        raise ValueError("runs must be fp32, contiguous, [N, H, K, V + K]")
+    width = v if factors is not None else v + k
+    if not (runs.is_contiguous() and runs.dtype == torch.float32 and runs.shape[-1] == width):
+        raise ValueError(f"runs must be fp32, contiguous, [N, H, K, {width}]")
+    bf = 16
+    if factors is not None:
+        bf = (factors.shape[-2] - 1) // 2
+        if not (factors.is_contiguous() and factors.dtype == torch.float32 and factors.shape[-1] == k
+                and factors.shape[-2] == 2 * bf + 1 and bf >= 16):
+            raise ValueError("factors must be fp32, contiguous, [N, H, 2 w + 1, K] with w >= 16")
     correct = outputs is not None
     if correct and (steps.shape[1] < 6 or outputs.shape[1:] != (h, v + k) or outputs.stride(-1) != 1
                     or outputs.stride(1) != v + k):
@@ -281,6 +315,7 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     final = torch.empty_like(init)
     bk = max(16, triton.next_power_of_2(k))
     a_addr = runs.data_ptr()
+    f_addr = factors.data_ptr() if factors is not None else 0
     ou = outputs if correct else final
     s_ot, s_oh = (outputs.stride(0), outputs.stride(1)) if correct else (0, 0)
 
@@ -289,14 +324,15 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     def launch(cfg, _o=ou):
         b, w, st = cfg
         _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-            init, steps, a_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
-            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, num_warps=w)
+            init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
+            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
+    form = "steps" if factors is None else "steps+factors"
     if bv is not None or warps is not None or stages is not None:
         cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
     elif tune and not correct:
-        cfg = _tuned(("steps", r, h, k, v, precision), init.device, launch, cfg, final)
+        cfg = _tuned((form, r, h, k, v, precision), init.device, launch, cfg, final)
     elif tune:
         # the corrected outputs are written in place: tuning runs the kernel several times, so it times a
         # copy of them, then the chosen configuration runs once on the real ones
@@ -306,6 +342,6 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
             scratch.copy_(outputs)
             launch(cfg, scratch)
 
-        cfg = _tuned(("steps+correct", r, h, k, v, precision), init.device, trial, cfg, final)
+        cfg = _tuned((form + "+correct", r, h, k, v, precision), init.device, trial, cfg, final)
     launch(cfg)
     return before, final

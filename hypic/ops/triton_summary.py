@@ -78,8 +78,9 @@ def _summary_kernel(q, k, v, g, beta, cu, o, final, s_q, s_k, s_v, scale, H: tl.
     tl.store(final + off, X, mask=mk[:, None] & mc[None, :])
 
 
-def _outputs(q, k, v, cu_seqlens, scale):
-    """The kernels' token-major views of q, k, v (checked), their outputs' buffers, the sizes, the scale."""
+def _outputs(q, k, v, cu_seqlens, scale, dense: bool = True):
+    """The kernels' token-major views of q, k, v (checked), their outputs' buffers (the final [S | T] when dense,
+    else S), the sizes, the scale."""
     _, n, h, kd = q.shape
     hv, vd = v.shape[-2], v.shape[-1]
     q, k, v = q[0], k[0], v[0]
@@ -88,7 +89,7 @@ def _outputs(q, k, v, cu_seqlens, scale):
             raise ValueError("q, k, v need unit strides inside a token")
     r = cu_seqlens.shape[0] - 1
     o = v.new_empty((n, hv, vd + kd))
-    final = torch.empty(r, hv, kd, vd + kd, dtype=torch.float32, device=v.device)
+    final = torch.empty(r, hv, kd, vd + kd if dense else vd, dtype=torch.float32, device=v.device)
     return q, k, v, o, final, (r, h, hv, kd, vd), kd ** -0.5 if scale is None else scale
 
 
@@ -106,9 +107,10 @@ def summary(q, k, v, g, beta, cu_seqlens, *, scale=None, use_qk_l2norm_in_kernel
 
 
 @triton.jit
-def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, s_q, s_k, s_v, scale, H: tl.constexpr, HV: tl.constexpr,
-                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
-                          SQUARINGS: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, fac, s_q, s_k, s_v, scale, H: tl.constexpr,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          BL: tl.constexpr, SQUARINGS: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+                          FACTORS: tl.constexpr):
     r = tl.program_id(0)
     hv = tl.program_id(1)
     cb = tl.program_id(2)
@@ -162,22 +164,32 @@ def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, s_q, s_k, s_v, scale, 
     sol = tl.dot(Ti, rhs, input_precision=PREC)                 # U (value columns) or W (identity columns)
     kdec = Kx * tl.exp(GL - G)[:, None]
     fin = tl.dot(tl.trans(kdec), sol, input_precision=PREC)    # [K, BV]
-    ident = tl.where(rk[:, None] == kc[None, :], tl.exp(GL), 0.0)
-    fin = tl.where(is_v[None, :], fin, ident - fin)
     out = tl.dot(P, sol, input_precision=PREC)
     out = tl.where(is_v[None, :], out, Qb * eG[:, None] - out)
     mc = is_v | is_k
     tl.store(o + (tok[:, None] * HV + hv) * (V + K) + cols[None, :], out.to(o.dtype.element_ty),
              mask=mt[:, None] & mc[None, :])
-    off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * (V + K) + cols[None, :]
-    tl.store(final + off, fin, mask=mk[:, None] & mc[None, :])
+    if FACTORS:
+        # S (the value columns) [R, HV, K, V]; the transition as factors [R, HV, 2 BL + 1, K]: this program's K
+        # columns of Kd = exp(G_L - G) k and of W (rows past the run: zero), and gamma = exp(G_L) in row 2 BL
+        off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * V + cols[None, :]
+        tl.store(final + off, fin, mask=mk[:, None] & is_v[None, :])
+        fb = fac + (r * HV + hv).to(tl.int64) * ((2 * BL + 1) * K)
+        tl.store(fb + rl[:, None] * K + kc[None, :], Kb * tl.exp(GL - G)[:, None], mask=is_k[None, :])
+        tl.store(fb + (BL + rl)[:, None] * K + kc[None, :], sol, mask=is_k[None, :])
+        tl.store(fb + 2 * BL * K + kc, tl.where(kc == 0, tl.exp(GL), 0.0), mask=is_k)
+    else:
+        ident = tl.where(rk[:, None] == kc[None, :], tl.exp(GL), 0.0)
+        fin = tl.where(is_v[None, :], fin, ident - fin)
+        off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * (V + K) + cols[None, :]
+        tl.store(final + off, fin, mask=mk[:, None] & mc[None, :])
 
 
 CHUNK_MAX = 64      # longest run the chunked kernel takes (one chunk per run)
 
 
 def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use_qk_l2norm_in_kernel=False,
-                  block_v: int = 64, warps: int = 4, precision: str = "tf32x3"):
+                  block_v: int = 64, warps: int = 4, precision: str = "tf32x3", factors: bool = False):
     """`summary` for runs of at most max_len (<= CHUNK_MAX) tokens in the chunked (WY) form, one chunk
     per run: with G_t the run's cumulative log decay, A[t, s] = beta_t exp(G_t - G_s) k_t.k_s (s < t),
 
@@ -187,13 +199,20 @@ def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use
 
     (ops/reference/gated_delta.py `chunk_gated_delta_rule` with S_0 = [0 | I]). A program takes one
     (run, value head, block of the V + K columns); the products are small tensor-core matmuls, with
-    no step-by-step loop over the run's tokens. Same returns as `summary`."""
+    no step-by-step loop over the run's tokens. Same returns as `summary`; with `factors`, T is left in
+    its factored form (reference `run_factors`): (o, u, S [R, HV, K, V], F [R, HV, 2 w + 1, K]), w the
+    padded run length (`factor_width`)."""
     if max_len > CHUNK_MAX:
         raise ValueError(f"runs of up to {max_len} tokens; the chunked summary takes <= {CHUNK_MAX}")
-    q, k, v, o, final, (r, h, hv, kd, vd), scale = _outputs(q, k, v, cu_seqlens, scale)
+    q, k, v, o, final, (r, h, hv, kd, vd), scale = _outputs(q, k, v, cu_seqlens, scale, dense=not factors)
     bl = max(16, triton.next_power_of_2(max_len))
+    fac = final
+    if factors:
+        fac = torch.empty(r, hv, 2 * bl + 1, kd, dtype=torch.float32, device=v.device)
     _chunk_summary_kernel[(r, hv, triton.cdiv(vd + kd, block_v))](
-        q, k, v, g[0].contiguous(), beta[0].contiguous(), cu_seqlens, o, final, q.stride(0), k.stride(0),
+        q, k, v, g[0].contiguous(), beta[0].contiguous(), cu_seqlens, o, final, fac, q.stride(0), k.stride(0),
         v.stride(0), scale, H=h, HV=hv, K=kd, V=vd, BK=max(16, triton.next_power_of_2(kd)), BV=block_v, BL=bl,
-        SQUARINGS=bl.bit_length() - 2, L2=use_qk_l2norm_in_kernel, PREC=precision, num_warps=warps)
+        SQUARINGS=bl.bit_length() - 2, L2=use_qk_l2norm_in_kernel, PREC=precision, FACTORS=factors, num_warps=warps)
+    if factors:
+        return o[..., :vd], o[..., vd:], final, fac
     return o[..., :vd], o[..., vd:], final

@@ -11,7 +11,8 @@ once, on the host, to device tables, and the forward becomes a pure function of 
                costed 4x a seam window per layer; the chain composes the pieces exactly), then
                the pads' runs; run_of, pos_in_run [Np]
     chain      the maps in order: storage slots 0..E-1 hold the cached segments' (T, S), slots
-               E..E+R-1 the runs' zero-start summaries (read where the kernel wrote them); order [E + R] lists
+               E..E+R-1 the runs' zero-start summaries (read where the kernel wrote them; with the Triton
+               scan a run's T in factored form, rank <= 16: layers/linear.py RUN_FACTORS); order [E + R] lists
                the slots in sequence order, then the pad runs as a second chain from zero (cu_maps
                [0, E + R_real, E + R]): the first chain's final state is the request's, and every
                pad run gets a finite initial state without lengthening the request's chain

@@ -94,10 +94,12 @@ def recurrent_gated_delta_rule(
 
 
 def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, use_qk_l2norm_in_kernel=False,
-                                  max_len=None):
+                                  max_len=None, factors=False):
     """Every run of a varlen batch from zero, with its transition: K value columns appended ([v | 0]),
     the state started at [0 | I] (max_len: a bound on the run lengths, a hint for fast backends). Returns (o [N, HV, V], u [N, HV, K] the appended columns' outputs,
-    in v's dtype; final [R, HV, K, V + K] fp32 = [S | T] per run)."""
+    in v's dtype; final [R, HV, K, V + K] fp32 = [S | T] per run).
+    factors: the transition in its factored form instead, (o, u, S [R, HV, K, V], F [R, HV, 2 w + 1, K]) fp32, w =
+    factor_width(max_len) (`run_factors`)."""
     r = cu_seqlens.shape[0] - 1
     hv, dv, dk = v.shape[-2], v.shape[-1], k.shape[-1]
     init = torch.cat([torch.zeros(r, hv, dk, dv, device=v.device),
@@ -105,7 +107,61 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     va = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], dim=-1)
     o, final = recurrent_gated_delta_rule(q, k, va, g, beta, scale=scale, initial_state=init, output_final_state=True,
                                           cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if factors:
+        if max_len is None:
+            max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if r else 1
+        f = run_factors(k, g, beta, cu_seqlens, factor_width(max_len), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o[0, ..., :dv], o[0, ..., dv:], final[..., :dv].contiguous(), f
     return o[0, ..., :dv], o[0, ..., dv:], final
+
+
+def factor_width(max_len: int) -> int:
+    """Rows of each factor of a short run's transition (`run_factors`): the run length bound rounded up to a power
+    of two, at least 16 (the least size of a tensor-core product)."""
+    return max(16, 1 << (max(int(max_len), 1) - 1).bit_length())
+
+
+def run_factors(k, g, beta, cu_seqlens, width: int, *, use_qk_l2norm_in_kernel=False) -> torch.Tensor:
+    """The transition of each run (from zero, tokens t = 1..L <= width) in factored (WY) form:
+
+        T = gamma I - Kd^T W,    gamma = exp(G_L),    Kd_t = exp(G_L - G_t) k_t,
+        W = (I + A)^-1 diag(beta exp(G)) K,    A[t, s] = beta_t exp(G_t - G_s) k_t.k_s (s < t)
+
+    (G_t the cumulative log decay from the run's start; the chunked form's factors with S_0 = I). A step of
+    a chain through the run is then x <- gamma x - Kd^T (W x) + S: two products through a rank-L
+    factor instead of a dense K x K one. Returns F [R, HV, 2 width + 1, K] fp32: rows 0..width-1 Kd, rows
+    width..2 width-1 W (rows past a run's length zero), row 2 width [gamma, 0, ...]."""
+    r = cu_seqlens.shape[0] - 1
+    hv, dk = g.shape[-1], k.shape[-1]
+    out = torch.zeros(r, hv, 2 * width + 1, dk, dtype=torch.float32, device=k.device)
+    if r == 0:
+        return out
+    (k, g, beta), lens = _pad_varlen((k, g, beta), cu_seqlens)           # [R, L, ...]
+    if max(lens) > width:
+        raise ValueError(f"a run of {max(lens)} tokens; the factors hold {width}")
+    k = _expand_heads(k, hv).float()
+    if use_qk_l2norm_in_kernel:
+        k = l2norm(k)
+    k, g, beta = k.transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)   # [R, HV, L, ...]
+    n = k.shape[2]
+    G = g.cumsum(-1)
+    GL = G[..., -1:]
+    strict = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~strict, float("-inf")).exp()
+    system = torch.eye(n, device=k.device) + beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay
+    w = torch.linalg.solve_triangular(system, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
+    out[:, :, :n] = k * (GL - G).exp()[..., None]
+    out[:, :, width : width + n] = w
+    out[:, :, 2 * width, 0] = GL[..., 0].exp()
+    return out
+
+
+def factors_to_dense(S: torch.Tensor, fac: torch.Tensor) -> torch.Tensor:
+    """S [R, HV, K, V] and the factors [R, HV, 2 w + 1, K] (`run_factors`) -> [S | T] [R, HV, K, V + K] fp32."""
+    w = (fac.shape[-2] - 1) // 2
+    eye = torch.eye(fac.shape[-1], dtype=torch.float32, device=fac.device)
+    T = fac[..., 2 * w, :1, None].float() * eye - fac[..., :w, :].transpose(-1, -2).float() @ fac[..., w : 2 * w, :].float()
+    return torch.cat([S.float(), T], dim=-1)
 
 
 def transition_by_augment(chunk, q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
