@@ -388,6 +388,11 @@ def check_scan(dev):
             q, k, v, gate, beta, cu_r, 16, use_qk_l2norm_in_kernel=True),
         "real runs, factored T: summary": lambda: triton_summary.chunk_summary(
             q, k, v, gate, beta, cu_r, 16, use_qk_l2norm_in_kernel=True, factors=True),
+        "real runs, factored T: summary, one column block per program (before run 29)":
+            lambda: triton_summary.chunk_summary(q, k, v, gate, beta, cu_r, 16, use_qk_l2norm_in_kernel=True,
+                                                 factors=True, blocks_per_program=1),
+        "real runs, factored T: summary, 2 column blocks per program": lambda: triton_summary.chunk_summary(
+            q, k, v, gate, beta, cu_r, 16, use_qk_l2norm_in_kernel=True, factors=True, blocks_per_program=2),
         "real runs, dense T: scan + correction": lambda: triton_scan.scan_steps(
             init2, st_d, cu2, aug, 46, outputs=outs_d.clone(), max_run=16),
         "real runs, factored T: scan + correction": lambda: triton_scan.scan_steps(

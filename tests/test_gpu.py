@@ -401,8 +401,10 @@ for bv, lmax in ((16, 16), (32, 16), (64, 40)):          # one chunk per run (16
     # the transitions in factored form (reference run_factors; zero rows past each run)
     wf = recurrent_gated_delta_summary(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, max_len=lmax,
                                        factors=True)
-    got = chunk_summary(q, k, v, g, beta, cu, lmax, use_qk_l2norm_in_kernel=True, block_v=bv, factors=True)
-    assert got[3].shape == wf[3].shape and all(rel(a, b.double()) < 1e-6 for a, b in zip(got, wf)), bv
+    for nb in (None, 1):                                  # every column block in one program, or one each
+        got = chunk_summary(q, k, v, g, beta, cu, lmax, use_qk_l2norm_in_kernel=True, block_v=bv, factors=True,
+                            blocks_per_program=nb)
+        assert got[3].shape == wf[3].shape and all(rel(a, b.double()) < 1e-6 for a, b in zip(got, wf)), (bv, nb)
 # the step-table scan with the runs' transitions factored, against the fp64 chain over their dense form
 from hypic.ops.reference.gated_delta import factors_to_dense
 S_r, F_r = wf[2].contiguous(), wf[3].contiguous()

@@ -107,13 +107,53 @@ def summary(q, k, v, g, beta, cu_seqlens, *, scale=None, use_qk_l2norm_in_kernel
 
 
 @triton.jit
+def _summary_columns(cb, r, hv, hk, q, k, v, o, final, fac, tok, rl, rk, mt, mk, nq, nk, G, GL, bt, Ti, P, kdec,
+                     s_q, s_k, s_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                     BL: tl.constexpr, PREC: tl.constexpr, FACTORS: tl.constexpr):
+    """Column block cb of [v | 0] and of the identity: right-hand sides beta v (-> U) and beta exp(G) k (-> W)
+    (the K columns are those of k, l2-normalised like Kx); their outputs, and S / T (or T's factors)."""
+    cols = cb * BV + tl.arange(0, BV)
+    is_v = cols < V
+    kc = cols - V
+    is_k = (kc >= 0) & (kc < K)
+    mv = mt[:, None] & is_v[None, :]
+    mkc = mt[:, None] & is_k[None, :]
+    Vb = tl.load(v + tok[:, None] * s_v + hv * V + cols[None, :], mask=mv, other=0.0).to(tl.float32)
+    Kb = tl.load(k + tok[:, None] * s_k + hk * K + kc[None, :], mask=mkc, other=0.0).to(tl.float32) * nk[:, None]
+    Qb = tl.load(q + tok[:, None] * s_q + hk * K + kc[None, :], mask=mkc, other=0.0).to(tl.float32) * nq[:, None]
+    eG = tl.exp(G)
+    rhs = tl.where(is_v[None, :], Vb, Kb * eG[:, None]) * bt[:, None]
+    sol = tl.dot(Ti, rhs, input_precision=PREC)                 # U (value columns) or W (identity columns)
+    fin = tl.dot(tl.trans(kdec), sol, input_precision=PREC)    # [K, BV]
+    out = tl.dot(P, sol, input_precision=PREC)
+    out = tl.where(is_v[None, :], out, Qb * eG[:, None] - out)
+    mc = is_v | is_k
+    tl.store(o + (tok[:, None] * HV + hv) * (V + K) + cols[None, :], out.to(o.dtype.element_ty),
+             mask=mt[:, None] & mc[None, :])
+    if FACTORS:
+        # S (the value columns) [R, HV, K, V]; the transition as factors [R, HV, 2 BL + 1, K]: this block's K
+        # columns of Kd = exp(G_L - G) k and of W (rows past the run: zero), and gamma = exp(G_L) in row 2 BL
+        off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * V + cols[None, :]
+        tl.store(final + off, fin, mask=mk[:, None] & is_v[None, :])
+        fb = fac + (r * HV + hv).to(tl.int64) * ((2 * BL + 1) * K)
+        tl.store(fb + rl[:, None] * K + kc[None, :], Kb * tl.exp(GL - G)[:, None], mask=is_k[None, :])
+        tl.store(fb + (BL + rl)[:, None] * K + kc[None, :], sol, mask=is_k[None, :])
+        tl.store(fb + 2 * BL * K + kc, tl.where(kc == 0, tl.exp(GL), 0.0), mask=is_k)
+    else:
+        ident = tl.where(rk[:, None] == kc[None, :], tl.exp(GL), 0.0)
+        fin = tl.where(is_v[None, :], fin, ident - fin)
+        off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * (V + K) + cols[None, :]
+        tl.store(final + off, fin, mask=mk[:, None] & mc[None, :])
+
+
+@triton.jit
 def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, fac, s_q, s_k, s_v, scale, H: tl.constexpr,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           BL: tl.constexpr, SQUARINGS: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-                          FACTORS: tl.constexpr):
+                          FACTORS: tl.constexpr, NB: tl.constexpr):
     r = tl.program_id(0)
     hv = tl.program_id(1)
-    cb = tl.program_id(2)
+    cb0 = tl.program_id(2) * NB           # this program's NB column blocks (the run's shared part made once)
     hk = hv // (HV // H)
     t0 = tl.load(cu + r)
     t1 = tl.load(cu + r + 1)
@@ -148,48 +188,18 @@ def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, fac, s_q, s_k, s_v, sc
     for _ in tl.static_range(SQUARINGS):
         M = tl.dot(M, M, input_precision=PREC)
         Ti = tl.dot(Ti, eye + M, input_precision=PREC)
-    # this program's columns of [v | 0] and of the identity: right-hand sides beta v (-> U) and
-    # beta exp(G) k (-> W); the K columns are those of k, l2-normalised like Kx
-    cols = cb * BV + tl.arange(0, BV)
-    is_v = cols < V
-    kc = cols - V
-    is_k = (kc >= 0) & (kc < K)
-    mv = mt[:, None] & is_v[None, :]
-    mkc = mt[:, None] & is_k[None, :]
-    Vb = tl.load(v + tok[:, None] * s_v + hv * V + cols[None, :], mask=mv, other=0.0).to(tl.float32)
-    Kb = tl.load(k + tok[:, None] * s_k + hk * K + kc[None, :], mask=mkc, other=0.0).to(tl.float32) * nk[:, None]
-    Qb = tl.load(q + tok[:, None] * s_q + hk * K + kc[None, :], mask=mkc, other=0.0).to(tl.float32) * nq[:, None]
-    eG = tl.exp(G)
-    rhs = tl.where(is_v[None, :], Vb, Kb * eG[:, None]) * bt[:, None]
-    sol = tl.dot(Ti, rhs, input_precision=PREC)                 # U (value columns) or W (identity columns)
     kdec = Kx * tl.exp(GL - G)[:, None]
-    fin = tl.dot(tl.trans(kdec), sol, input_precision=PREC)    # [K, BV]
-    out = tl.dot(P, sol, input_precision=PREC)
-    out = tl.where(is_v[None, :], out, Qb * eG[:, None] - out)
-    mc = is_v | is_k
-    tl.store(o + (tok[:, None] * HV + hv) * (V + K) + cols[None, :], out.to(o.dtype.element_ty),
-             mask=mt[:, None] & mc[None, :])
-    if FACTORS:
-        # S (the value columns) [R, HV, K, V]; the transition as factors [R, HV, 2 BL + 1, K]: this program's K
-        # columns of Kd = exp(G_L - G) k and of W (rows past the run: zero), and gamma = exp(G_L) in row 2 BL
-        off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * V + cols[None, :]
-        tl.store(final + off, fin, mask=mk[:, None] & is_v[None, :])
-        fb = fac + (r * HV + hv).to(tl.int64) * ((2 * BL + 1) * K)
-        tl.store(fb + rl[:, None] * K + kc[None, :], Kb * tl.exp(GL - G)[:, None], mask=is_k[None, :])
-        tl.store(fb + (BL + rl)[:, None] * K + kc[None, :], sol, mask=is_k[None, :])
-        tl.store(fb + 2 * BL * K + kc, tl.where(kc == 0, tl.exp(GL), 0.0), mask=is_k)
-    else:
-        ident = tl.where(rk[:, None] == kc[None, :], tl.exp(GL), 0.0)
-        fin = tl.where(is_v[None, :], fin, ident - fin)
-        off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * (V + K) + cols[None, :]
-        tl.store(final + off, fin, mask=mk[:, None] & mc[None, :])
+    for i in tl.static_range(NB):
+        _summary_columns(cb0 + i, r, hv, hk, q, k, v, o, final, fac, tok, rl, rk, mt, mk, nq, nk, G, GL, bt, Ti, P,
+                         kdec, s_q, s_k, s_v, HV, K, V, BV, BL, PREC, FACTORS)
 
 
 CHUNK_MAX = 64      # longest run the chunked kernel takes (one chunk per run)
 
 
 def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use_qk_l2norm_in_kernel=False,
-                  block_v: int = 64, warps: int = 4, precision: str = "tf32x3", factors: bool = False):
+                  block_v: int = 64, warps: int = 4, precision: str = "tf32x3", factors: bool = False,
+                  blocks_per_program: int | None = None):
     """`summary` for runs of at most max_len (<= CHUNK_MAX) tokens in the chunked (WY) form, one chunk
     per run: with G_t the run's cumulative log decay, A[t, s] = beta_t exp(G_t - G_s) k_t.k_s (s < t),
 
@@ -198,8 +208,10 @@ def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use
         o_t = sum_{s<=t} exp(G_t - G_s) (q_t.k_s) U_s,    u_t = exp(G_t) q_t - sum_{s<=t} (same) W_s
 
     (ops/reference/gated_delta.py `chunk_gated_delta_rule` with S_0 = [0 | I]). A program takes one
-    (run, value head, block of the V + K columns); the products are small tensor-core matmuls, with
-    no step-by-step loop over the run's tokens. Same returns as `summary`; with `factors`, T is left in
+    (run, value head): the run's shared part ((I + A)^-1, the q.k products) once, then its blocks of the
+    V + K columns one after another (blocks_per_program: fewer blocks per program, more programs, each
+    making the shared part again); the products are small tensor-core matmuls, with no step-by-step loop
+    over the run's tokens. Same returns as `summary`; with `factors`, T is left in
     its factored form (reference `run_factors`): (o, u, S [R, HV, K, V], F [R, HV, 2 w + 1, K]), w the
     padded run length (`factor_width`)."""
     if max_len > CHUNK_MAX:
@@ -209,10 +221,13 @@ def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use
     fac = final
     if factors:
         fac = torch.empty(r, hv, 2 * bl + 1, kd, dtype=torch.float32, device=v.device)
-    _chunk_summary_kernel[(r, hv, triton.cdiv(vd + kd, block_v))](
+    blocks = triton.cdiv(vd + kd, block_v)
+    nb = blocks if blocks_per_program is None else max(1, min(blocks_per_program, blocks))
+    _chunk_summary_kernel[(r, hv, triton.cdiv(blocks, nb))](
         q, k, v, g[0].contiguous(), beta[0].contiguous(), cu_seqlens, o, final, fac, q.stride(0), k.stride(0),
         v.stride(0), scale, H=h, HV=hv, K=kd, V=vd, BK=max(16, triton.next_power_of_2(kd)), BV=block_v, BL=bl,
-        SQUARINGS=bl.bit_length() - 2, L2=use_qk_l2norm_in_kernel, PREC=precision, FACTORS=factors, num_warps=warps)
+        SQUARINGS=bl.bit_length() - 2, L2=use_qk_l2norm_in_kernel, PREC=precision, FACTORS=factors, NB=nb,
+        num_warps=warps)
     if factors:
         return o[..., :vd], o[..., vd:], final, fac
     return o[..., :vd], o[..., vd:], final
