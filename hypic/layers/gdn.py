@@ -52,7 +52,7 @@ class GatedDeltaNet(LinearMixer):
 
         return self.ops.name == "fast" and fla_available()
 
-    def factored_runs(self, device, max_len: int) -> bool:
+    def factored_runs(self, max_len: int) -> bool:
         """The backend's chunked summary kernel gives the runs' transitions in factored form."""
         from ..ops.fast import triton_kernel
 

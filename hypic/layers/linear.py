@@ -124,7 +124,7 @@ class LinearMixer(nn.Module):
         """The fixed-buffer compose pass can be captured as a CUDA graph on this device (no host reads)."""
         return False
 
-    def factored_runs(self, device, max_len: int) -> bool:
+    def factored_runs(self, max_len: int) -> bool:
         """kernel(..., init_augmented=True, factors=True) gives the runs' transitions in factored form (reference
         `run_factors`) by a kernel, for runs of up to max_len tokens (a family with such a summary says so)."""
         return False
@@ -145,7 +145,7 @@ class LinearMixer(nn.Module):
             # chunked summary kernel gives them (RUN_FACTORS; its width: the padded run length)
             shared.setdefault("steps", []).append(buf)
             buf["keep"] = []
-            if RUN_FACTORS and self.factored_runs(device, shape.lmax):
+            if RUN_FACTORS and self.factored_runs(shape.lmax):
                 buf["factor_width"] = factor_width(shape.lmax)
         else:
             buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference.gated_delta import factor_width
+
 
 @triton.jit
 def _token(X, t, q, k, v, g, beta, o, hk, hv, rk, cols, mk, mc, is_v, s_q, s_k, s_v, scale,
@@ -217,7 +219,7 @@ def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use
     if max_len > CHUNK_MAX:
         raise ValueError(f"runs of up to {max_len} tokens; the chunked summary takes <= {CHUNK_MAX}")
     q, k, v, o, final, (r, h, hv, kd, vd), scale = _outputs(q, k, v, cu_seqlens, scale, dense=not factors)
-    bl = max(16, triton.next_power_of_2(max_len))
+    bl = factor_width(max_len)              # rows of the one chunk per run (and of T's factors)
     fac = final
     if factors:
         fac = torch.empty(r, hv, 2 * bl + 1, kd, dtype=torch.float32, device=v.device)

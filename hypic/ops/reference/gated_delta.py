@@ -144,11 +144,8 @@ def run_factors(k, g, beta, cu_seqlens, width: int, *, use_qk_l2norm_in_kernel=F
         k = l2norm(k)
     k, g, beta = k.transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)   # [R, HV, L, ...]
     n = k.shape[2]
-    G = g.cumsum(-1)
+    G, _, system = _ut_system(k, g, beta)
     GL = G[..., -1:]
-    strict = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~strict, float("-inf")).exp()
-    system = torch.eye(n, device=k.device) + beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay
     w = torch.linalg.solve_triangular(system, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
     out[:, :, :n] = k * (GL - G).exp()[..., None]
     out[:, :, width : width + n] = w
@@ -214,6 +211,19 @@ def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=Non
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
+def _ut_system(k, g, beta):
+    """Within a chunk (tokens on the second-last axis of k, the last of g and beta): the cumulative log decay
+    G, exp(G_t - G_s) for s <= t (else 0), and the unit lower-triangular system I + A of the WY form,
+    A[t, s] = beta_t exp(G_t - G_s) k_t.k_s for s < t."""
+    c = k.shape[-2]
+    G = g.cumsum(-1)
+    lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    strict = decay.masked_fill(lower & ~lower.tril(-1), 0.0)            # s < t only
+    system = torch.eye(c, device=k.device) + beta[..., :, None] * (k @ k.transpose(-1, -2)) * strict
+    return G, decay, system
+
+
 def chunk_gated_delta_rule(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64,
@@ -239,13 +249,7 @@ def chunk_gated_delta_rule(
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c, x.shape[-1]) for x in (q, k, v))
     g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c) for x in (g, beta))
     n = q.shape[2]
-    G = g.cumsum(-1)                                            # [B, HV, n, C]
-    diff = G[..., :, None] - G[..., None, :]                    # G_t - G_s
-    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = diff.masked_fill(~lower, float("-inf")).exp()       # exp(G_t - G_s) for s <= t, else 0
-    strict = decay.masked_fill(lower & ~lower.tril(-1), 0.0)    # s < t only
-    kk = k @ k.transpose(-1, -2)
-    system = torch.eye(c, device=q.device) + beta[..., :, None] * kk * strict
+    G, decay, system = _ut_system(k, g, beta)                   # [B, HV, n, C], exp(G_t - G_s) for s <= t
     rhs_v = beta[..., None] * v
     rhs_s = (beta * G.exp())[..., None] * k
     sol = torch.linalg.solve_triangular(system, torch.cat([rhs_v, rhs_s], dim=-1), upper=False, unitriangular=True)
