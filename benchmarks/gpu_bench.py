@@ -37,6 +37,7 @@ from hypic import LLM, Prompt, SamplingParams  # noqa: E402
 from hypic.config import EngineConfig, ModelConfig  # noqa: E402
 from hypic.models.loader import from_tensors  # noqa: E402
 from hypic.models.presets import preset_config  # noqa: E402
+from hypic.runtime import spans as _spans  # noqa: E402
 from hypic.runtime.batch import BatchBuilder  # noqa: E402
 from hypic.runtime.state import SeqState  # noqa: E402
 
@@ -67,9 +68,14 @@ def profile(name, fn):
 
     fn()
     sync()
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
-        fn()
-        sync()
+    _spans.ENABLED = True
+    try:
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+            fn()
+            sync()
+    finally:
+        _spans.ENABLED = False
+    tl_ = timeline(pr, name)
     ka = pr.key_averages()
     print(f"\n== profile: {name} ==")
     print(ka.table(sort_by="self_cuda_time_total" if DEV == "cuda" else "self_cpu_time_total", row_limit=36,
@@ -79,6 +85,62 @@ def profile(name, fn):
     kb = pr.key_averages(group_by_input_shape=True)
     print(kb.table(sort_by="self_cuda_time_total" if DEV == "cuda" else "self_cpu_time_total", row_limit=30,
                    max_name_column_width=40, max_shapes_column_width=70))
+    return tl_
+
+
+def timeline(pr, name: str) -> dict:
+    """Where the wall time of one profiled call goes: the engine's named host spans (hypic/runtime/spans.py)
+    with the GPU's busy time inside each, the GPU's idle time before its first kernel, between kernels (by
+    gap size) and after its last one. Prints it and returns it (for the JSON)."""
+    from torch.autograd import DeviceType
+
+    evs = list(pr.events())
+    dev = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs if e.device_type != DeviceType.CPU)
+    cpu = [e for e in evs if e.device_type == DeviceType.CPU]
+    if not cpu:
+        return {}
+    t0 = min(e.time_range.start for e in cpu)
+    t1 = max([e.time_range.end for e in cpu] + [d[1] for d in dev])
+    busy, gaps, last_end, merged = 0.0, [], None, []
+    for a, b, n in dev:
+        if last_end is None or a > last_end:
+            if last_end is not None:
+                gaps.append((a - last_end, prev_name, n))
+            merged.append([a, b])
+        else:
+            merged[-1][1] = max(merged[-1][1], b)
+        last_end = b if last_end is None else max(last_end, b)
+        prev_name = n
+    busy = sum(b - a for a, b in merged)
+
+    def busy_in(a, b):
+        return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged)
+
+    out = dict(wall_us=t1 - t0, gpu_busy_us=busy, kernels=len(dev))
+    print(f"\n== timeline: {name} ==")
+    print(f"wall {(t1 - t0) / 1e3:.2f} ms; GPU busy {busy / 1e3:.2f} ms over {len(dev)} kernels/copies")
+    if dev:
+        first, last = merged[0][0], last_end
+        out.update(before_first_us=first - t0, after_last_us=t1 - last)
+        print(f"GPU idle before its first kernel {(first - t0) / 1e3:.2f} ms, after its last {(t1 - last) / 1e3:.2f} ms")
+        buckets = [(0, 2), (2, 5), (5, 20), (20, 100), (100, 1e12)]
+        rows = []
+        for lo, hi in buckets:
+            g = [x[0] for x in gaps if lo <= x[0] < hi]
+            rows.append((lo, hi, len(g), sum(g)))
+        out["gaps"] = [dict(lo_us=lo, hi_us=hi, n=k, sum_us=t) for lo, hi, k, t in rows]
+        print("GPU idle between kernels: " + "; ".join(f"{lo:g}-{hi:g} us: {k} gaps, {t / 1e3:.2f} ms"
+                                                          for lo, hi, k, t in rows if k))
+        for g, a, b in sorted(gaps, reverse=True)[:8]:
+            print(f"  gap {g:8.1f} us after {a[:50]} before {b[:50]}")
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in cpu
+                   if e.name.startswith(("engine.", "compose.")))
+    out["spans"] = []
+    for a, b, n in spans:
+        g = busy_in(a, b)
+        out["spans"].append(dict(name=n, start_us=a - t0, dur_us=b - a, gpu_busy_us=g))
+        print(f"  span {n:18s} at {(a - t0) / 1e3:7.2f} ms for {(b - a) / 1e3:7.2f} ms; GPU busy inside {g / 1e3:7.2f} ms")
+    return out
 
 
 def gpu_ms(fn) -> float:
@@ -227,6 +289,76 @@ def ts_rows(model, ids, args, res):
     return over
 
 
+def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
+    # variants of the compose pass, side by side: each variant gets its own composer (fixed buffers, its
+    # graph captured under its setting), then the requests alternate between the default and the
+    # variants, round by round in rotating order, so a drift of the machine touches all alike. Variants:
+    # the runs' transitions dense [S | T] in the chain scan (before run 27) instead of factored; the scan
+    # step's loads in the order of use (before run 30); with --all-variants the runs' outputs corrected
+    # after the scan instead of inside it, and the graph in 4 pieces (run 19 also timed seam runs fused
+    # with the segment after them: 68.2 against 64.7 ms, removed)
+    from hypic.layers import linear as _linear
+    from hypic.runtime.compose_graph import GraphCompose
+
+    try:
+        from hypic.ops import triton_scan as _ts
+    except ImportError:                          # the CPU dry run without triton
+        _ts = None
+
+    def flag(mod, name, value):
+        old = getattr(mod, name)
+        return (lambda: setattr(mod, name, value)), (lambda: setattr(mod, name, old))
+
+    variants = [("default", (lambda: None, lambda: None), {}),
+                ("runs_T_dense", flag(_linear, "RUN_FACTORS", False), {})]
+    if _ts is not None:
+        variants.append(("scan_loads_in_use_order", flag(_ts, "LOADS_FIRST", False), {}))
+    if args.all_variants:
+        variants += [("correction_after_scan", flag(_linear, "FUSE_CORRECTION", False), {}),
+                     ("graph_in_4_pieces", (lambda: None, lambda: None), {"pieces": 4})]
+    tuned = _ts.TUNED if _ts is not None else {}
+    print(f"scan tuner picks: {({k: v[0] for k, v in tuned.items()})}", flush=True)
+    rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in tuned.items()}
+    composers = {}
+    model = llm.engine.model
+    for name, (setup, undo), kw in variants:
+        c = comp if name == "default" else GraphCompose(model, comp.device, comp.dtype, graphs=comp.graphs,
+                                                         pieces=kw.get("pieces", comp.pieces))
+        setup()
+        llm.engine.composer = c
+        try:
+            for r in range(3):                       # planned walk, capture, replay
+                ttft(Prompt(segments=[segs[i] for i in order_a[r:] + order_a[:r]], query=query))
+        finally:
+            undo()
+            llm.engine.composer = comp
+        composers[name] = c
+    var_ts = {name: [] for name, *_ in variants}
+    for r in range(2 * args.reps + 1):
+        order = order_a[:]
+        random.Random(r + 1).shuffle(order)
+        p_r = Prompt(segments=[segs[i] for i in order], query=query)
+        k = r % len(variants)
+        for name, (setup, undo), kw in variants[k:] + variants[:k]:
+            setup()
+            llm.engine.composer = composers[name]
+            try:
+                var_ts[name].append(ttft(p_r)[0])
+            finally:
+                undo()
+                llm.engine.composer = comp
+    for name, *_ in variants:
+        rag[f"pic_warm_{name}_interleaved_s"] = statistics.median(var_ts[name])
+        rag[f"pic_warm_{name}_interleaved_all_s"] = var_ts[name]
+        print(f"pic warm TTFT, interleaved, {name}: {statistics.median(var_ts[name]) * 1e3:.1f} ms "
+              f"{[round(t * 1e3, 1) for t in var_ts[name]]}", flush=True)
+    for name, c in composers.items():
+        if c is not comp:
+            c.clear()
+    composers.clear()
+    (torch.cuda.empty_cache() if DEV == "cuda" else None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="8192,32768")
@@ -373,57 +505,22 @@ def main():
         rag["graph_vs_planned_logits_rel"] = float((lg - le).norm() / le.norm())
         print(f"pic warm TTFT, planned walk: {rag['pic_warm_planned_s'] * 1e3:.1f} ms; graph vs planned logits "
               f"rel {rag['graph_vs_planned_logits_rel']:.2e}", flush=True)
-    if comp is not None and getattr(comp, "graphs", False):
-        # variants of the compose pass, side by side, each with the shape's graph captured again: the runs'
-        # outputs corrected after the scan (the scan writes their initial states) instead of inside it; the
-        # graph in 4 pieces launched one after another instead of one (run 19 also timed seam runs fused with
-        # the segment after them: 68.2 against 64.7 ms, removed)
-        from hypic.layers import linear as _linear
+    if comp is not None and (getattr(comp, "graphs", False) or DEV == "cpu"):   # (CPU: a dry run of the code)
+        try:
+            interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag)
+        except Exception:  # a variant that fails must not cost the rest of the device call
+            import traceback
 
-        def fused(on):
-            _linear.FUSE_CORRECTION = on
-
-        def pieces(n):
-            comp.pieces = n
-
-        from hypic.ops import triton_scan as _ts
-
-        def factored(on):
-            _linear.RUN_FACTORS = on
-
-        # the runs' transitions dense [S | T] in the chain scan (before run 27) instead of factored
-        variants = [("runs_T_dense", lambda: factored(False), lambda: factored(True))]
-        if args.all_variants:
-            variants += [("correction_after_scan", lambda: fused(False), lambda: fused(True)),
-                         ("graph_in_4_pieces", lambda: pieces(4), lambda: pieces(1))]
-        print(f"scan tuner picks: "
-              f"{ {k: v[0] for k, v in _ts.TUNED.items()} }", flush=True)
-        rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in _ts.TUNED.items()}
-        for name, setup, undo in variants:
-            setup()
-            comp.clear()
-            var_ts = []
-            try:
-                for r in range(args.reps + 3):
-                    order = order_a[:]
-                    random.Random(r + 1).shuffle(order)
-                    var_ts.append(ttft(Prompt(segments=[segs[i] for i in order], query=query))[0])
-            finally:
-                undo()
-                comp.clear()
-            rag[f"pic_warm_{name}_s"] = statistics.median(var_ts[3:])
-            rag[f"pic_warm_{name}_all_s"] = var_ts
-            print(f"pic warm TTFT, variant {name}: {rag[f'pic_warm_{name}_s'] * 1e3:.1f} ms "
-                  f"{[round(t * 1e3, 1) for t in var_ts]}", flush=True)
-        for r in range(2):                   # the default's graph again
-            ttft(Prompt(segments=[segs[i] for i in order_a], query=query))
+            traceback.print_exc()
+            llm.engine.composer = comp
     llm.engine.segments.clear()              # cold again, now that every kernel shape has been tuned and the
     llm.engine.prefix.clear()                # compose graph of this shape captured (kept: not the caches' part)
     order = order_a[::-1]
     rag["pic_cold_steady_s"], _ = ttft(Prompt(segments=[segs[i] for i in order], query=query))
     print(f"pic cold, second time (kernels tuned): {rag['pic_cold_steady_s'] * 1e3:.0f} ms", flush=True)
     if args.profile:
-        profile("warm pic request", lambda: ttft(Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)))
+        rag["timeline_warm_pic"] = profile("warm pic request",
+                                           lambda: ttft(Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)))
         llm.set_policy("full", 0)
         profile(f"full prefill {sizes[0]}", lambda: ttft(Prompt(query=full_ids[sizes[0]])))
         llm.set_policy("pic", 8)
@@ -508,6 +605,12 @@ def main():
     if "pic_warm_planned_s" in rag:
         print(f"| RAG warm TTFT pic: compose graph vs planned walk | {rag['pic_warm_s'] * 1e3:.1f} ms | planned "
               f"{rag['pic_warm_planned_s'] * 1e3:.1f} ms | {rag['pic_warm_planned_s'] / rag['pic_warm_s']:.1f}x | |")
+    d_int = rag.get("pic_warm_default_interleaved_s")
+    for key, v in rag.items():
+        if d_int and key.startswith("pic_warm_") and key.endswith("_interleaved_s") and "default" not in key:
+            name = key[len("pic_warm_"):-len("_interleaved_s")]
+            print(f"| RAG warm TTFT pic, interleaved: default vs variant {name} | {d_int * 1e3:.1f} ms | "
+                  f"{v * 1e3:.1f} ms | {v / d_int:.3f}x | |")
     print(f"| RAG warm TTFT pic vs prefix | {rag['pic_warm_s'] * 1e3:.1f} ms | prefix {rag['prefix_s'] * 1e3:.0f} ms | "
           f"{rag['pic_vs_prefix']:.1f}x | |")
     print(f"| pic vs roofline floor | {rag['pic_warm_s'] * 1e3:.1f} ms | floor {floor * 1e3:.1f} ms | "

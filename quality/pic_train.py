@@ -17,6 +17,9 @@ loss and gradients (tests/test_pic_train.py), which pins the differentiable path
 
     python quality/pic_train.py --model checkpoints/qwen35-gdn-15m --out out/gdn-pic --minutes 10 \\
         --device cuda --mix twohop=0.4,needle=0.2,kc=0.2,facts=0.2
+
+Tasks: kc, twohop, needle, facts (quality/train.py's generators, one question each) and twohop_hard (the
+two-hop sub-case that `pic` fails, with ~8 documents: see hard_twohop_questions).
 """
 
 from __future__ import annotations
@@ -87,8 +90,50 @@ def example_loss(model, examples: list[Example], mode: str, seam: int, device) -
     return F.cross_entropy(logits[torch.tensor(rows, device=logits.device)], torch.tensor(gold, device=logits.device))
 
 
+# Documents per `twohop_hard` example: around the 8 of the twohop8 evaluation (the other tasks draw k from
+# {2, 3, 4, 6, 8}, so most of their two-hop examples have 0-4 distractors and 0-2 competing jobs).
+HARD_K = (6, 8, 10)
+
+
+def hard_twohop_questions(P, tokenizer_path) -> np.ndarray:
+    """The training pool's two-hop questions of the one sub-case that `pic` still fails on the GDN model.
+
+    build_corpus.two_hop writes document B as two shuffled sentences, "Y Z lives in C." (full name) and
+    "Y works as a J." (first name only), and asks for B's city or B's job. On twohop8 (qwen35-gdn-15m-pic,
+    500 questions) every question that `full` answers and `pic` seam 8 misses (21 of 21; 24 of 24 after the
+    GPU fine-tune) asks for the job of a B whose job sentence comes FIRST: that cell is full 91.3 / pic 76.2
+    (126 questions), every other cell 100 / 100. City questions need no chaining ("lives in" is only in
+    document B), and when the job follows "lives in" its tokens were computed after B's full name and the
+    "lives in" sentence; when it comes first, the query has to chain A -> B's name -> "Y works as a", and
+    the wrong answers are always another job of the prompt (a distractor's, or one in document A).
+    Selected here from the TRAINING pool only (train.bin.xz: the two-hop pairs of build_corpus's
+    training stream, distractors from its training fact documents), so the train / eval split is the
+    same as for the other tasks: nothing of eval_twohop8 is read."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    qs = P.twohop_q
+    qtext = tok.decode_batch([P.get("g_q", q).tolist() for q in qs])
+    btext = tok.decode_batch([P.get("g_doc", P.A["g_qdoc2"][q]).tolist() for q in qs])
+    keep = [q for q, qt, bt in zip(qs, qtext, btext)
+            if "What is the job of" in qt and 0 <= bt.find(" works as a ") < bt.find(" lives in ")]
+    return np.asarray(keep, np.int64)
+
+
+def twohop_hard(maker, hard_q: np.ndarray):
+    """A two-hop example of the hard sub-case (see hard_twohop_questions) among k - 2 training fact
+    documents, k from HARD_K; examples_from shuffles the document order (A before or after B, any distance)."""
+    P, r = maker.P, maker.rng
+    k = int(r.choice(HARD_K))
+    q = hard_q[r.integers(len(hard_q))]
+    docs = [P.get("g_doc", P.A["g_qdoc"][q]), P.get("g_doc", P.A["g_qdoc2"][q])]
+    docs += [P.get("g_doc", d) for d in r.choice(P.fact_docs, size=k - 2, replace=False)]
+    return docs, [(P.get("g_q", q), P.get("g_a", q), 0)]
+
+
 def examples_from(maker, n: int, budget: int) -> list[Example]:
-    """n structured examples from quality/train.py's RowMaker (its task mix and k choices)."""
+    """n structured examples from quality/train.py's RowMaker (its task mix and k choices), plus the task
+    `twohop_hard` (needs maker.twohop_hard_q, set by main)."""
     out = []
     P, r = maker.P, maker.rng
     while len(out) < n:
@@ -96,7 +141,8 @@ def examples_from(maker, n: int, budget: int) -> list[Example]:
         k = int(r.choice([2, 3, 4, 6, 8]))
         nq = 1
         docs, qas = {"kc": maker.kc, "twohop": maker.twohop, "needle": maker.needle,
-                     "facts": lambda k, nq: maker.generic(P.fact_docs, k, nq)}[task](k, nq)
+                     "facts": lambda k, nq: maker.generic(P.fact_docs, k, nq),
+                     "twohop_hard": lambda k, nq: twohop_hard(maker, maker.twohop_hard_q)}[task](k, nq)
         if not qas:
             continue
         total = len(P.prefix) + sum(len(d) for d in docs) + sum(len(q) + len(a) for q, a, _ in qas)
@@ -160,6 +206,10 @@ def main():
     P = Pools(load_xz(Path(args.data) / "train.bin.xz"))
     mix = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}
     maker = RowMaker(P, args.budget, args.seed, mix)
+    if "twohop_hard" in mix:
+        maker.twohop_hard_q = hard_twohop_questions(P, Path(args.data) / "tokenizer.json")
+        print(json.dumps({"event": "twohop_hard", "questions": len(maker.twohop_hard_q),
+                          "of": len(P.twohop_q)}), flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     seams = [int(s) for s in args.seams.split(",")]
     rng = np.random.default_rng(args.seed)

@@ -48,6 +48,7 @@ import torch
 
 from .batch import Apply, ForwardBatch, Run, SeqWork
 from .graphs import capture_forward
+from .spans import span
 from .state import KVBuffer, LinearState
 
 log = logging.getLogger("hypic.compose")
@@ -365,7 +366,8 @@ class GraphCompose:
         if not (self.supported and exact):
             return None
         held = held_keys(self.model, work.state)
-        low = None if held is None else lower(work, ids, positions, self.conv_width, held)
+        with span("compose.lower"):
+            low = None if held is None else lower(work, ids, positions, self.conv_width, held)
         if low is None:
             return None
         if self.graphs and low.shape not in self.ready:
@@ -377,18 +379,21 @@ class GraphCompose:
                 return None
         hit = self._slot(low.shape)
         bufs = hit[0]
-        bufs.load(low)
+        with span("compose.load"):
+            bufs.load(low)
         if self.graphs and hit[1] is None:
             self._capture(hit)
         if hit[1] is not None:
-            hit[1].replay()
+            with span("compose.replay"):
+                hit[1].replay()
             logits, outputs = hit[2], hit[3][1]
             self.replays += 1
         else:
             logits = self.model(bufs.batch())
             outputs = bufs.outputs
-        for l, m in self.model.mixers.items():
-            work.state.layers[l] = m.compose_state(outputs[l], bufs, low, work.state.layers.get(l),
-                                                   work.state.capacity_hint)
+        with span("compose.state"):
+            for l, m in self.model.mixers.items():
+                work.state.layers[l] = m.compose_state(outputs[l], bufs, low, work.state.layers.get(l),
+                                                       work.state.capacity_hint)
         self.runs += 1
         return logits.clone()

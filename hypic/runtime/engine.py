@@ -25,6 +25,7 @@ from .batch import BatchBuilder
 from .compose_graph import GraphCompose
 from .decode import StaticDecoder
 from .sampler import sample
+from .spans import span
 from .state import SeqState
 
 
@@ -181,11 +182,14 @@ class Engine:
 
     def prefill(self, reqs: list[Request]) -> torch.Tensor:
         """Stages 1-3 for requests sharing one cache policy; returns last-token logits [B, V]."""
-        plans = self._plan(reqs)
+        with span("engine.plan"):
+            plans = self._plan(reqs)
         prefix_reused = [not p.prefix_cold for p in plans]   # a cold prefix is computed for this request
-        self._cold_prefixes(plans)
-        self._cold_segments(plans)
-        logits = self._compose(reqs, plans)
+        with span("engine.cold"):
+            self._cold_prefixes(plans)
+            self._cold_segments(plans)
+        with span("engine.compose"):
+            logits = self._compose(reqs, plans)
         for r, p, reused in zip(reqs, plans, prefix_reused):
             self._counts(r, p, reused)
         return logits
@@ -227,16 +231,18 @@ class Engine:
             r.t_start = t0
         for group in _by_policy(reqs):
             self.begin(group)
-        return self.complete(reqs)
+        with span("engine.complete"):
+            return self.complete(reqs)
 
     def begin(self, reqs: list[Request]) -> torch.Tensor:
         """Prefill requests of one policy (t_start set), sample their first tokens, record TTFT;
         returns the last-token logits [B, V]."""
         logits = self.prefill(reqs)
         now = time.perf_counter()
-        for r, row in zip(reqs, logits):
-            self.accept(r, row)
-            r.ttft_s = now - r.t_start
+        with span("engine.sample"):
+            for r, row in zip(reqs, logits):
+                self.accept(r, row)
+                r.ttft_s = now - r.t_start
         return logits
 
     def complete(self, reqs: list[Request]) -> list[RequestOutput]:
