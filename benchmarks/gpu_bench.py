@@ -95,7 +95,10 @@ def timeline(pr, name: str) -> dict:
     from torch.autograd import DeviceType
 
     evs = list(pr.events())
-    dev = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs if e.device_type != DeviceType.CPU)
+    # device events: kernels, copies, memsets (the spans' own GPU-side annotations, which cover the kernels
+    # launched inside them, are not work)
+    dev = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs
+                 if e.device_type != DeviceType.CPU and not e.name.startswith(("engine.", "compose.")))
     cpu = [e for e in evs if e.device_type == DeviceType.CPU]
     if not cpu:
         return {}

@@ -436,15 +436,22 @@ def check_scan(dev):
         timed_fns[f"real runs, factored T: scan bv={bv} warps={w} stages={st}"] = (
             lambda bv=bv, w=w, st=st: triton_scan.scan_steps(init2, st_f, cu2, S_r, 46, factors=F_r, bv=bv, warps=w,
                                                              stages=st))
+    regs = {}
     for name, fn in timed_fns.items():
         try:
+            triton_scan.COMPILED.pop("steps", None)
             one[name] = bench(fn)
+            ck = triton_scan.COMPILED.get("steps")
+            if ck is not None:
+                regs[name] = (getattr(ck, "n_regs", None), getattr(ck, "n_spills", None))
         except Exception as e:  # a configuration this GPU cannot build
             one[name] = repr(e)[:80]
+    for name, (nr, ns) in regs.items():
+        print(f"   registers / spills, {name}: {nr} / {ns}")
     for k, v in one.items():
         print(f"   scan 1 request (42 maps) x 32 heads, {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
     print(f"   scan tuned picks: {triton_scan.TUNED}")
-    return dict(scan_ms=times, scan_one_request_ms=one)
+    return dict(scan_ms=times, scan_one_request_ms=one, scan_registers_spills={k: list(v) for k, v in regs.items()})
 
 
 def check_composition(dev):

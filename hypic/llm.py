@@ -128,7 +128,7 @@ class LLM:
         self._fits(forked, cont)
         eng = self.engine
         req.t_start = time.perf_counter()
-        first = eng.begin([req])[0]
+        first = eng.begin([req], keep_states=True)[0]
         forked.state = eng.fork(req)
         logp = self._forced(forked, first, cont)
         forked.state = None

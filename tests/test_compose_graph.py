@@ -174,3 +174,44 @@ def test_graph_pieces_cover_every_layer_once():
         assert all(x < y for x, y in zip(b, b[1:]))
     with pytest.raises(ConfigError):
         EngineConfig(compose_pieces=0)
+
+
+def test_state_made_after_the_first_token_only_for_requests_that_go_on(hf_checkpoints, monkeypatch):
+    """Engine.begin samples the first token before the pass's states are cut out (compose_state); a request
+    that ends at its first token gets none (nothing stays pending), one that decodes gets them and equals
+    the planned walk, and generate_and_score keeps the state of a one-token request to fork it."""
+    from hypic.runtime.compose_graph import GraphCompose
+
+    path = hf_checkpoints["qwen3_5"][1]
+    segs = [rand_ids(n, 300 + i) for i, n in enumerate((30, 41, 52))]
+    prompts = [Prompt(segments=segs[::s], query=rand_ids(6, 310 + s)) for s in (1, -1)]
+    ref = LLM(str(path), seam=4, compose="eager")
+    llm = LLM(str(path), seam=4, compose="static")
+    kept = []
+    orig = GraphCompose.settle
+
+    def spy(self, keep=True):
+        if self.pending is not None:
+            kept.append(keep)
+        return orig(self, keep)
+
+    monkeypatch.setattr(GraphCompose, "settle", spy)
+    for p in prompts:                                       # cold, then warm (composed over the buffers)
+        ref.generate([p], SamplingParams(max_tokens=1))
+        llm.generate([p], SamplingParams(max_tokens=1))
+    comp = llm.engine.composer
+    assert comp.runs >= 1 and comp.pending is None and kept and not any(kept)
+    kept.clear()
+    sp = SamplingParams(max_tokens=4, return_logits=True, ignore_eos=True)
+    a, b = ref.generate([prompts[0]], sp)[0], llm.generate([prompts[0]], sp)[0]
+    assert kept == [True] and comp.pending is None and a.token_ids == b.token_ids
+    torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+    assert b.ttft_s > 0
+    cont = rand_ids(3, 320)
+    one = SamplingParams(max_tokens=1)
+    kept.clear()
+    out, logp = llm.generate_and_score(prompts[1], cont, one)
+    assert kept == [True]
+    want = ref.score(prompts[1], cont)
+    assert out.token_ids == ref.generate([prompts[1]], one)[0].token_ids
+    assert max(abs(x - y) for x, y in zip(logp, want)) < 1e-4

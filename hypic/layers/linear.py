@@ -138,7 +138,8 @@ class LinearMixer(nn.Module):
         wm1 = self.conv_width - 1
         e = shape.entries
         buf = dict(init=torch.zeros(2, h, k, v, device=device),
-                   src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device))
+                   src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device),
+                   init_is_zero=True, window_is_zero=True)
         if kernel_ready(device):
             # the chain's step table [E + R, 6] (runtime/compose_graph.py gives every layer a row of one host
             # and one device tensor, copied once per request); the runs' transitions in factored form where the
@@ -157,16 +158,24 @@ class LinearMixer(nn.Module):
         parts = [e.layers[L] for e in low.entries]
         e = len(parts)
         st = low.state.layers.get(L)
+        # the initial state and conv window: zero unless the request holds a state (a cached prefix); the pass
+        # never writes them, so a buffer still zero from the last request is not zeroed again (a launch each)
         if st is None:
-            buf["init"][0].zero_()
+            if not buf.get("init_is_zero"):
+                buf["init"][0].zero_()
+                buf["init_is_zero"] = True
         else:
             buf["init"][0] = st.rec
+            buf["init_is_zero"] = False
         if self.conv_width:
             wm1 = self.conv_width - 1
             if st is None or st.conv is None:
-                buf["src"][:wm1].zero_()
+                if not buf.get("window_is_zero"):
+                    buf["src"][:wm1].zero_()
+                    buf["window_is_zero"] = True
             else:
                 buf["src"][:wm1] = st.conv
+                buf["window_is_zero"] = False
         if "steps" in buf:
             # read in place: each entry's own T and S (a copy only where one is not fp32, contiguous, here);
             # the entries outlive the replay (the request holds them; later frees are stream-ordered after it)

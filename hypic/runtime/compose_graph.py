@@ -314,9 +314,11 @@ class GraphCompose:
         self.replays = 0
         self.runs = 0                                # requests composed over the fixed buffers
         self.capture_error: str | None = None
+        self.pending = None                          # (work, outputs, buffers, lowered) whose states are not made yet
 
     def clear(self) -> None:
         """Drop every shape's buffers and graph (they hold copies of cached entries' tensors)."""
+        self.settle()
         self.ready.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -329,7 +331,7 @@ class GraphCompose:
             seen = set()
             for d in bufs.layers.values():
                 for t in d.values():
-                    if id(t) not in seen:
+                    if torch.is_tensor(t) and id(t) not in seen:
                         seen.add(id(t))
                         total += t.element_size() * t.nelement()
         return total
@@ -361,8 +363,24 @@ class GraphCompose:
             self.capture_error = f"{type(e).__name__}: {e}"
             self.graphs = False
 
+    def settle(self, keep: bool = True) -> None:
+        """The pending request's states cut out of the pass's outputs (keep), or dropped (a request that ended
+        at its first token needs none). A no-op when nothing is pending."""
+        pending, self.pending = self.pending, None
+        if pending is None or not keep:
+            return
+        work, outputs, bufs, low = pending
+        with span("compose.state"), torch.inference_mode():
+            for l, m in self.model.mixers.items():
+                work.state.layers[l] = m.compose_state(outputs[l], bufs, low, work.state.layers.get(l),
+                                                       work.state.capacity_hint)
+
     @torch.inference_mode()
-    def forward(self, work: SeqWork, ids: list[int], positions: list[int], exact: bool) -> torch.Tensor | None:
+    def forward(self, work: SeqWork, ids: list[int], positions: list[int], exact: bool,
+                defer: bool = False) -> torch.Tensor | None:
+        """defer: leave the request's states pending (`settle` makes them), so the first token can be sampled
+        before the state copies are queued; else they are made here."""
+        self.settle()                          # an earlier request's, before its buffers are reused
         if not (self.supported and exact):
             return None
         held = held_keys(self.model, work.state)
@@ -391,9 +409,9 @@ class GraphCompose:
         else:
             logits = self.model(bufs.batch())
             outputs = bufs.outputs
-        with span("compose.state"):
-            for l, m in self.model.mixers.items():
-                work.state.layers[l] = m.compose_state(outputs[l], bufs, low, work.state.layers.get(l),
-                                                       work.state.capacity_hint)
+        self.pending = (work, outputs, bufs, low)
+        logits = logits.clone()
+        if not defer:
+            self.settle()
         self.runs += 1
-        return logits.clone()
+        return logits

@@ -132,7 +132,7 @@ class Engine:
                 items += [("run", list(slot.tokens[: slot.seam])), ("apply", slot.entry)]
         return items + [("run", list(tp.query))]
 
-    def _compose(self, reqs: list[Request], plans: list[PrefillPlan]) -> torch.Tensor:
+    def _compose(self, reqs: list[Request], plans: list[PrefillPlan], defer: bool = False) -> torch.Tensor:
         builder = BatchBuilder(self.device)
         works = []
         for r, p in zip(reqs, plans):
@@ -144,7 +144,7 @@ class Engine:
         exact = exact.pop()
         logits = None
         if self.composer is not None and len(works) == 1:      # fixed buffers / a replayed graph, if it fits
-            logits = self.composer.forward(works[0], builder.ids, builder.pos, exact)
+            logits = self.composer.forward(works[0], builder.ids, builder.pos, exact, defer=defer)
         if logits is None:
             logits = self.model(builder.build(exact_transition=exact, walk=self.config.walk))
         for r, p, w in zip(reqs, plans, works):
@@ -180,8 +180,11 @@ class Engine:
         r.counts = dict(prefix_tokens=prefix_tokens, composed_tokens=composed,
                         recomputed_tokens=n - prefix_tokens - composed, cold_prefill_tokens=cold)
 
-    def prefill(self, reqs: list[Request]) -> torch.Tensor:
-        """Stages 1-3 for requests sharing one cache policy; returns last-token logits [B, V]."""
+    def prefill(self, reqs: list[Request], defer_state: bool = False) -> torch.Tensor:
+        """Stages 1-3 for requests sharing one cache policy; returns last-token logits [B, V].
+        defer_state: a request composed over the fixed buffers may get its state only at `settle` (so its
+        first token is sampled before the state is copied out, and a request that ends there costs no copy);
+        the caller then calls settle before anything else runs on the engine."""
         with span("engine.plan"):
             plans = self._plan(reqs)
         prefix_reused = [not p.prefix_cold for p in plans]   # a cold prefix is computed for this request
@@ -189,7 +192,7 @@ class Engine:
             self._cold_prefixes(plans)
             self._cold_segments(plans)
         with span("engine.compose"):
-            logits = self._compose(reqs, plans)
+            logits = self._compose(reqs, plans, defer_state)
         for r, p, reused in zip(reqs, plans, prefix_reused):
             self._counts(r, p, reused)
         return logits
@@ -234,15 +237,22 @@ class Engine:
         with span("engine.complete"):
             return self.complete(reqs)
 
-    def begin(self, reqs: list[Request]) -> torch.Tensor:
-        """Prefill requests of one policy (t_start set), sample their first tokens, record TTFT;
-        returns the last-token logits [B, V]."""
-        logits = self.prefill(reqs)
-        now = time.perf_counter()
+    def settle(self, reqs: list[Request], keep_finished: bool = False) -> None:
+        """After prefill(..., defer_state=True) and the first tokens: the states of the requests that go on
+        (all of them with keep_finished); those that ended at their first token get none."""
+        if self.composer is not None:
+            self.composer.settle(keep=keep_finished or any(not r.finished for r in reqs))
+
+    def begin(self, reqs: list[Request], keep_states: bool = False) -> torch.Tensor:
+        """Prefill requests of one policy (t_start set), sample their first tokens, record TTFT (once the
+        first token is on the host); returns the last-token logits [B, V]. keep_states: every request keeps
+        its state, also one that ended at its first token (to fork it)."""
+        logits = self.prefill(reqs, defer_state=True)
         with span("engine.sample"):
             for r, row in zip(reqs, logits):
                 self.accept(r, row)
-                r.ttft_s = now - r.t_start
+                r.ttft_s = time.perf_counter() - r.t_start
+        self.settle(reqs, keep_finished=keep_states)
         return logits
 
     def complete(self, reqs: list[Request]) -> list[RequestOutput]:

@@ -155,17 +155,19 @@ class Scheduler:
             for r in reqs:
                 r.t_start = t0
             try:
-                logits = self.engine.prefill(reqs)
+                logits = self.engine.prefill(reqs, defer_state=True)
+                tokens = [self.engine.accept(j.request, row) for j, row in zip(group, logits)]
+                now = time.perf_counter()
+                self.engine.settle(reqs)           # the states of the requests that go on decoding
             except Exception as e:  # a bug or OOM fails these requests, not the server
                 for j in group:
                     j.request.state = None
                     j.on_event("error", j, (500, f"prefill failed: {type(e).__name__}: {e}"))
                 continue
-            now = time.perf_counter()
-            for j, row in zip(group, logits):
+            for j, tok in zip(group, tokens):
                 j.request.ttft_s = now - _to_perf(j.arrival)      # queueing included
                 j.first_token_at = time.monotonic()
-                self._emit(j, self.engine.accept(j.request, row))
+                self._emit(j, tok)
                 with self._cv:
                     self.running.append(j)
 
