@@ -444,6 +444,14 @@ for first in (True, False):
                            max_run=max(lens), factors=F_r)
     assert rel(got_f[..., :dv], want_f) < 1e-6, first
 triton_scan.LOADS_FIRST = True
+from hypic.ops.triton_copy import copy_blocks          # blocks copied by address, one launch
+import numpy as np
+srcs = [torch.randn(n, 8) for n in (3, 40, 1)]
+dst = torch.zeros(50, 8)
+rows = np.asarray([[t.data_ptr(), dst.data_ptr() + o * 32, t.numel() * 4] for t, o in zip(srcs, (0, 5, 49))])
+copy_blocks(rows, "cpu")
+assert torch.equal(dst[0:3], srcs[0]) and torch.equal(dst[5:45], srcs[1]) and torch.equal(dst[49:], srcs[2])
+assert dst[3:5].abs().sum() == 0 and dst[45:49].abs().sum() == 0
 from hypic.ops.triton_conv import gathered_conv
 src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
 w, b = torch.randn(300, 4), torch.randn(300)
@@ -462,7 +470,9 @@ out = {}
 for comp in ("eager", "static"):
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose=comp, seed=0)
     out[comp] = [llm.generate([p], sp)[0] for p in ps]
-lay0 = next(iter(llm.engine.composer.ready.values()))[0].layers[0]
+bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
+assert getattr(bufs0, "copy_table", None) is not None          # the fill went through the copy kernel
+lay0 = bufs0.layers[0]
 assert llm.engine.composer.runs == len(ps) and "steps" in lay0 and lay0["factor_width"] == 16
 for a, b in zip(out["eager"], out["static"]):
     assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4

@@ -20,6 +20,7 @@ from ..runtime.state import KVBuffer, StaticKV
 from .norm import RMSNorm
 
 
+
 class AttentionMixer(nn.Module):
     num_kv_heads: int
     key_dim: int
@@ -95,14 +96,22 @@ class AttentionMixer(nn.Module):
         return dict(k=z(shape.keys, self.key_dim), v=z(shape.keys, self.value_dim),
                     hk=z(shape.held, self.key_dim), hv=z(shape.held, self.value_dim))
 
-    def compose_fill(self, buf: dict, low, L: int) -> None:
+    def compose_fill(self, buf: dict, low, L: int, copies: list | None = None) -> None:
         """The keys the request holds (as attended), then its cached segments' position-free keys and
-        values, packed in order."""
+        values, packed in order. copies: a list to add the packing to as (source, destination, bytes)
+        blocks, copied by the caller in one launch (else torch.cat here)."""
+        from ..runtime.compose_graph import pack_blocks
+
         if low.held:
             k, v, _ = low.state.layers[L].view()
             buf["hk"][: low.held] = k
             buf["hv"][: low.held] = v
         parts = [e.layers[L] for e in low.entries]
+        if copies is not None:
+            blocks = pack_blocks([p.k for p in parts], buf["k"]) + pack_blocks([p.v for p in parts], buf["v"])
+            if None not in blocks:
+                copies.extend(blocks)
+                return
         torch.cat([p.k for p in parts], out=buf["k"][: low.kc])
         torch.cat([p.v for p in parts], out=buf["v"][: low.kc])
 

@@ -152,9 +152,12 @@ class LinearMixer(nn.Module):
             buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))
         return buf
 
-    def compose_fill(self, buf: dict, low, L: int) -> None:
+    def compose_fill(self, buf: dict, low, L: int, copies: list | None = None) -> None:
         """The request's cached segments into the slots: (T, S) at storage 0..E-1 (their addresses, or
-        copies), the tails packed."""
+        copies), the tails packed (as (source, destination, bytes) blocks added to `copies` where given,
+        copied by the caller in one launch)."""
+        from ..runtime.compose_graph import pack_blocks
+
         parts = [e.layers[L] for e in low.entries]
         e = len(parts)
         st = low.state.layers.get(L)
@@ -207,7 +210,11 @@ class LinearMixer(nn.Module):
             if tails:
                 a = low.tail_rows[0][0]
                 last, t = low.tail_rows[-1]
-                torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
+                blocks = pack_blocks(tails, buf["src"], a) if copies is not None else [None]
+                if None not in blocks:
+                    copies.extend(blocks)
+                else:
+                    torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
 
     def _step_columns(self, low, width: int | None):
         """The step table's columns every layer of this state shape shares, made once per request: is_run,

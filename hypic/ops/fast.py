@@ -55,7 +55,8 @@ def _fla_conv():
 # this backend's own Triton kernels (module, function under hypic.ops), each with a PyTorch form beside it
 _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": ("triton_summary", "summary"),
             "chunk_summary": ("triton_summary", "chunk_summary"),
-            "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps")}
+            "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps"),
+            "copy": ("triton_copy", "copy_blocks")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 

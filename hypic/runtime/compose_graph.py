@@ -201,6 +201,23 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask))
 
 
+
+def pack_blocks(srcs: list, dst: torch.Tensor, row0: int = 0) -> list:
+    """The copies that pack srcs (each contiguous, dst's dtype and device) one after another into dst's rows
+    from row0, as (source address, destination address, bytes); None in the list where a block cannot be
+    copied by address (another layout, dtype or device, or not 16-byte aligned)."""
+    out, row = [], row0
+    size = dst.element_size() * (dst[0].numel() if dst.dim() > 1 else 1)
+    base = dst.data_ptr()
+    for t in srcs:
+        ok = t.is_contiguous() and t.dtype == dst.dtype and t.device == dst.device
+        n = t.shape[0]
+        blk = (t.data_ptr(), base + row * size, n * size) if ok and t[0].numel() * dst.element_size() == size else None
+        out.append(blk if blk is not None and not (blk[0] % 16 or blk[1] % 16 or blk[2] % 16) else None)
+        row += n
+    return out
+
+
 def _cut(pieces: list, k: int) -> list:
     """The pieces with every run longer than k cut into consecutive runs of at most k tokens."""
     out = []
@@ -283,8 +300,21 @@ class ComposeBuffers:
     def load(self, low: Lowered) -> None:
         for name, t in low.tables.items():
             getattr(self, name).copy_(t, non_blocking=True)
+        from ..ops.fast import kernel_failed, triton_here, triton_kernel
+
+        copy = triton_kernel("copy") if triton_here(self.ids) else None
+        copies = [] if copy is not None else None
         for l, m in self.mixers.items():
-            m.compose_fill(self.layers[l], low, l)
+            m.compose_fill(self.layers[l], low, l, copies)
+        if copies:
+            # the cached segments' keys, values and conv tails of every layer in one launch (as torch.cat
+            # calls: ~50 launches of ~90 us of host time each on the 35B request)
+            try:
+                self.copy_table = copy(np.asarray(copies, dtype=np.int64), self.device)
+            except Exception as e:  # the kernel cannot be built here: the same packing by torch.cat
+                kernel_failed("copy", e)
+                for l, m in self.mixers.items():
+                    m.compose_fill(self.layers[l], low, l)
         if self.steps is not None:
             self.steps[1].copy_(self.steps[0], non_blocking=True)
 
