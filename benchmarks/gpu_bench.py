@@ -316,6 +316,9 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("runs_T_dense", flag(_linear, "RUN_FACTORS", False), {})]
     if _ts is not None:
         variants.append(("scan_loads_in_use_order", flag(_ts, "LOADS_FIRST", False), {}))
+    from hypic.runtime import compose_graph as _cg
+
+    variants.append(("fill_by_cat", flag(_cg, "COPY_BY_ADDRESS", False), {}))   # before run 32
     if args.all_variants:
         variants += [("correction_after_scan", flag(_linear, "FUSE_CORRECTION", False), {}),
                      ("graph_in_4_pieces", (lambda: None, lambda: None), {"pieces": 4})]

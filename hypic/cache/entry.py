@@ -59,6 +59,11 @@ class LinearSummary:
             yield "tail", self.tail
 
     @functools.cached_property
+    def tail_block(self):
+        """`block` of the conv tail, made once."""
+        return block(self.tail)
+
+    @functools.cached_property
     def addresses(self) -> tuple[int, int] | None:
         """The data addresses of T and S where both are fp32 and contiguous (the compose pass's scan reads
         them in place, by address); None otherwise. Made once: a cached summary is never written."""
@@ -68,10 +73,24 @@ class LinearSummary:
         return None
 
 
+def block(t: torch.Tensor | None, skip: int = 0):
+    """(data address after `skip` rows, rows, bytes per row, dtype, device) of a contiguous tensor (rows on its
+    first axis), for copies by address (runtime/compose_graph.py pack_blocks); None where it is not contiguous."""
+    if t is None or t.dim() == 0 or not t.is_contiguous():
+        return None
+    rb = t.element_size() * (t.numel() // t.shape[0] if t.shape[0] else 0)
+    return t.data_ptr() + skip * rb, t.shape[0] - skip, rb, t.dtype, t.device
+
+
 @dataclass(frozen=True)
 class AttnKV:
     k: torch.Tensor
     v: torch.Tensor
+
+    @functools.cached_property
+    def blocks(self):
+        """`block` of k and of v, made once (a cached entry is never written)."""
+        return block(self.k), block(self.v)
 
     @property
     def nbytes(self) -> int:

@@ -108,9 +108,12 @@ class AttentionMixer(nn.Module):
             buf["hv"][: low.held] = v
         parts = [e.layers[L] for e in low.entries]
         if copies is not None:
-            blocks = pack_blocks([p.k for p in parts], buf["k"]) + pack_blocks([p.v for p in parts], buf["v"])
-            if None not in blocks:
-                copies.extend(blocks)
+            bl = [p.blocks for p in parts]
+            ks = pack_blocks([b[0] for b in bl], buf["k"])
+            vs = pack_blocks([b[1] for b in bl], buf["v"]) if ks is not None else None
+            if vs is not None:
+                copies.extend(ks)
+                copies.extend(vs)
                 return
         torch.cat([p.k for p in parts], out=buf["k"][: low.kc])
         torch.cat([p.v for p in parts], out=buf["v"][: low.kc])

@@ -204,17 +204,19 @@ class LinearMixer(nn.Module):
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
-        if self.conv_width:
-            tails = [p.tail if p.tail.shape[0] == t else p.tail[p.tail.shape[0] - t:]
-                     for p, (_, t) in zip(parts, low.tail_rows) if t]
-            if tails:
-                a = low.tail_rows[0][0]
-                last, t = low.tail_rows[-1]
-                blocks = pack_blocks(tails, buf["src"], a) if copies is not None else [None]
-                if None not in blocks:
-                    copies.extend(blocks)
-                else:
-                    torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
+        if self.conv_width and any(t for _, t in low.tail_rows):
+            a = low.tail_rows[0][0]
+            last, t = low.tail_rows[-1]
+            blocks = None
+            if copies is not None:
+                used = [(p, n) for p, (_, n) in zip(parts, low.tail_rows) if n]
+                blocks = pack_blocks([p.tail_block for p, _ in used], buf["src"], a, [n for _, n in used])
+            if blocks is not None:
+                copies.extend(blocks)
+            else:
+                tails = [p.tail if p.tail.shape[0] == n else p.tail[p.tail.shape[0] - n:]
+                         for p, (_, n) in zip(parts, low.tail_rows) if n]
+                torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
 
     def _step_columns(self, low, width: int | None):
         """The step table's columns every layer of this state shape shares, made once per request: is_run,

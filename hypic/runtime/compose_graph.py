@@ -57,6 +57,8 @@ MAX_RUN = 256           # longest run the lowering takes (longer: the planned wa
 SUB_RUN = 16            # the pieces a run is cut into (one map more in the chain per piece)
 MAX_TOKENS = 2048       # most active tokens
 _NEVER = 1 << 62        # the mask position of a key no query may see
+COPY_BY_ADDRESS = True  # the fill's packing in one launch (ops/triton_copy.py) where Triton runs; False: torch.cat
+                        # per layer (gpu_bench's side-by-side variant `fill_by_cat`)
 
 
 @dataclass(frozen=True)
@@ -202,18 +204,24 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
 
 
 
-def pack_blocks(srcs: list, dst: torch.Tensor, row0: int = 0) -> list:
-    """The copies that pack srcs (each contiguous, dst's dtype and device) one after another into dst's rows
-    from row0, as (source address, destination address, bytes); None in the list where a block cannot be
-    copied by address (another layout, dtype or device, or not 16-byte aligned)."""
+def pack_blocks(blocks: list, dst: torch.Tensor, row0: int = 0, last: list | None = None) -> list | None:
+    """The copies that pack the blocks (cache/entry.py `block` tuples) one after another into dst's rows from
+    row0, as (source address, destination address, bytes); last[i] (optional) keeps only block i's last
+    rows. None where one cannot be copied by address (another layout, dtype or device; not 16-byte aligned).
+    Plain integer arithmetic on the entries' cached addresses: ~1,000 blocks per request on the 35B model
+    (making a tensor view per block cost ~8 ms of host time there, H200 run 32)."""
+    size = dst.element_size() * (dst.numel() // dst.shape[0])
+    base, dt, dev = dst.data_ptr(), dst.dtype, dst.device
     out, row = [], row0
-    size = dst.element_size() * (dst[0].numel() if dst.dim() > 1 else 1)
-    base = dst.data_ptr()
-    for t in srcs:
-        ok = t.is_contiguous() and t.dtype == dst.dtype and t.device == dst.device
-        n = t.shape[0]
-        blk = (t.data_ptr(), base + row * size, n * size) if ok and t[0].numel() * dst.element_size() == size else None
-        out.append(blk if blk is not None and not (blk[0] % 16 or blk[1] % 16 or blk[2] % 16) else None)
+    for i, b in enumerate(blocks):
+        if b is None or b[2] != size or b[3] is not dt or b[4] != dev:
+            return None
+        n = b[1] if last is None else last[i]
+        src = b[0] + (b[1] - n) * size
+        blk = (src, base + row * size, n * size)
+        if blk[0] % 16 or blk[1] % 16 or blk[2] % 16:
+            return None
+        out.append(blk)
         row += n
     return out
 
@@ -302,7 +310,7 @@ class ComposeBuffers:
             getattr(self, name).copy_(t, non_blocking=True)
         from ..ops.fast import kernel_failed, triton_here, triton_kernel
 
-        copy = triton_kernel("copy") if triton_here(self.ids) else None
+        copy = triton_kernel("copy") if COPY_BY_ADDRESS and triton_here(self.ids) else None
         copies = [] if copy is not None else None
         for l, m in self.mixers.items():
             m.compose_fill(self.layers[l], low, l, copies)
