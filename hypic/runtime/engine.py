@@ -158,10 +158,10 @@ class Engine:
         marked = [run for run in work.runs if run.mark]
         start = sum(len(n.tokens) for n in plan.matched)
         parent = plan.matched[-1].key if plan.matched else None
-        for span, key, run in zip(spans[k:], plan.boundary_keys[k:], marked):
-            node = self._node(key, parent, span, start, run.captures)
+        for toks, key, run in zip(spans[k:], plan.boundary_keys[k:], marked):
+            node = self._node(key, parent, toks, start, run.captures)
             self.prefix.insert(node)
-            parent, start = key, start + len(span)
+            parent, start = key, start + len(toks)
 
     def _node(self, key, parent, tokens, start, captures) -> PrefixNode:
         """A prefix-cache node from a marked run's captures (each mixer's state part after the span)."""
