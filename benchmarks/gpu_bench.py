@@ -37,7 +37,7 @@ from hypic import LLM, Prompt, SamplingParams  # noqa: E402
 from hypic.config import EngineConfig, ModelConfig  # noqa: E402
 from hypic.models.loader import from_tensors  # noqa: E402
 from hypic.models.presets import preset_config  # noqa: E402
-from hypic.runtime import spans as _spans  # noqa: E402
+from hypic.runtime import trace as _spans  # noqa: E402
 from hypic.runtime.batch import BatchBuilder  # noqa: E402
 from hypic.runtime.state import SeqState  # noqa: E402
 
@@ -89,7 +89,7 @@ def profile(name, fn):
 
 
 def timeline(pr, name: str) -> dict:
-    """Where the wall time of one profiled call goes: the engine's named host spans (hypic/runtime/spans.py)
+    """Where the wall time of one profiled call goes: the engine's named host spans (hypic/runtime/trace.py)
     with the GPU's busy time inside each, the GPU's idle time before its first kernel, between kernels (by
     gap size) and after its last one. Prints it and returns it (for the JSON)."""
     from torch.autograd import DeviceType
@@ -104,7 +104,7 @@ def timeline(pr, name: str) -> dict:
         return {}
     t0 = min(e.time_range.start for e in cpu)
     t1 = max([e.time_range.end for e in cpu] + [d[1] for d in dev])
-    busy, gaps, last_end, merged = 0.0, [], None, []
+    busy, gaps, last_end, merged, prev_name = 0.0, [], None, [], ""
     for a, b, n in dev:
         if last_end is None or a > last_end:
             if last_end is not None:

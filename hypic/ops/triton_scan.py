@@ -95,6 +95,36 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
 
 
 @triton.jit
+def _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr):
+    """A step's dense T [K, K] and S block [K, BV]: a cached map's own (T [H, K, K], S [H, K, V] at addresses
+    tv, sv), or a run's [S | T] rows [H, K, V + K] at byte offsets tv, sv from base."""
+    tp = (tv + base).to(tl.pointer_type(tl.float32))
+    sp = (sv + base).to(tl.pointer_type(tl.float32))
+    rs_t = tl.where(is_run, V + K, K)
+    hs_t = tl.where(is_run, K * (V + K), K * K)
+    c_t = tl.where(is_run, V, 0)
+    rs_s = tl.where(is_run, V + K, V)
+    hs_s = tl.where(is_run, K * (V + K), K * V)
+    t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
+    s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
+    return t, s
+
+
+@triton.jit
+def _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Where a run's tokens sit in the summary outputs ou [N, H, V + K] (first token and count in its step
+    row): pointers and masks of their u_t [BT, K] (last K columns) and of their outputs [BT, BV]."""
+    t0 = tl.load(row + 4)
+    nt = tl.load(row + 5)
+    tt = tl.arange(0, BT)
+    mt = (tt < nt) & is_run
+    rows = (t0 + tt).to(tl.int64) * s_ot + h * s_oh
+    uptr = ou + rows[:, None] + V + rk[None, :]
+    optr = ou + rows[:, None] + rv[None, :]
+    return uptr, mt[:, None] & (rk < K)[None, :], optr, mt[:, None] & (rv < V)[None, :]
+
+
+@triton.jit
 def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr,
                 BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr):
@@ -112,15 +142,9 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
     sv = tl.load(row + 1)
     is_run = tl.load(row + 2) != 0
     if CORRECT:
-        t0 = tl.load(row + 4)
-        nt = tl.load(row + 5)
-        tt = tl.arange(0, BT)
-        mt = (tt < nt) & is_run
-        rows = (t0 + tt).to(tl.int64) * s_ot + h * s_oh
-        u = tl.load(ou + rows[:, None] + V + rk[None, :], mask=mt[:, None] & (rk < K)[None, :], other=0.0)
+        uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
+        u = tl.load(uptr, mask=mu, other=0.0)
         corr = tl.dot(u.to(tl.float32), x, input_precision=PREC)                     # [BT, BV]
-        optr = ou + rows[:, None] + rv[None, :]
-        mo = mt[:, None] & (rv < V)[None, :]
         o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
         tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mo)
     else:
@@ -144,15 +168,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
             t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk, other=0.0)
             xn = tl.dot(t, x, input_precision=PREC) + s
         return xn
-    tp = (tv + base).to(tl.pointer_type(tl.float32))
-    sp = (sv + base).to(tl.pointer_type(tl.float32))
-    rs_t = tl.where(is_run, V + K, K)
-    hs_t = tl.where(is_run, K * (V + K), K * K)
-    c_t = tl.where(is_run, V, 0)
-    rs_s = tl.where(is_run, V + K, V)
-    hs_s = tl.where(is_run, K * (V + K), K * V)
-    t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
-    s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
+    t, s = _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K, V)
     return tl.dot(t, x, input_precision=PREC) + s
 
 
@@ -168,8 +184,8 @@ def _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh,
     sv = tl.load(row + 1)
     is_run = tl.load(row + 2) != 0
     base = tl.where(is_run, a_addr, 0)
-    sp = (sv + base).to(tl.pointer_type(tl.float32))
     if FACTORS:
+        sp = (sv + base).to(tl.pointer_type(tl.float32))
         s = tl.load(sp + h * (K * V) + rk[:, None] * V + rv[None, :], mask=m_kv, other=0.0)
         fp = (tv + f_addr).to(tl.pointer_type(tl.float32)) + h * ((2 * BF + 1) * K)
         rf = tl.arange(0, BF)
@@ -180,23 +196,10 @@ def _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh,
         tp = tv.to(tl.pointer_type(tl.float32))
         t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
     else:
-        tp = (tv + base).to(tl.pointer_type(tl.float32))
-        rs_t = tl.where(is_run, V + K, K)
-        hs_t = tl.where(is_run, K * (V + K), K * K)
-        c_t = tl.where(is_run, V, 0)
-        rs_s = tl.where(is_run, V + K, V)
-        hs_s = tl.where(is_run, K * (V + K), K * V)
-        t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
-        s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
+        t, s = _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K, V)
     if CORRECT:
-        t0 = tl.load(row + 4)
-        nt = tl.load(row + 5)
-        tt = tl.arange(0, BT)
-        mt = (tt < nt) & is_run
-        rows = (t0 + tt).to(tl.int64) * s_ot + h * s_oh
-        u = tl.load(ou + rows[:, None] + V + rk[None, :], mask=mt[:, None] & (rk < K)[None, :], other=0.0)
-        optr = ou + rows[:, None] + rv[None, :]
-        mo = mt[:, None] & (rv < V)[None, :]
+        uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
+        u = tl.load(uptr, mask=mu, other=0.0)
         o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
         if is_run:
             corr = tl.dot(u.to(tl.float32), x, input_precision=PREC)                 # [BT, BV]

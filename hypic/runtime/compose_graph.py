@@ -48,7 +48,7 @@ import torch
 
 from .batch import Apply, ForwardBatch, Run, SeqWork
 from .graphs import capture_forward
-from .spans import span
+from .trace import span
 from .state import KVBuffer, LinearState
 
 log = logging.getLogger("hypic.compose")

@@ -25,7 +25,7 @@ from .batch import BatchBuilder
 from .compose_graph import GraphCompose
 from .decode import StaticDecoder
 from .sampler import sample
-from .spans import span
+from .trace import span
 from .state import SeqState
 
 
