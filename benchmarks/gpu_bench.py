@@ -296,8 +296,9 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     # variants of the compose pass, side by side: each variant gets its own composer (fixed buffers, its
     # graph captured under its setting), then the requests alternate between the default and the
     # variants, round by round in rotating order, so a drift of the machine touches all alike. Variants:
-    # the runs' transitions dense [S | T] in the chain scan (before run 27) instead of factored; the scan
-    # step's loads in the order of use (before run 30); with --all-variants the runs' outputs corrected
+    # the runs' transitions factored in the chain scan (runs 27-32) instead of dense; the MoE's grouped GEMMs
+    # instead of the few-rows kernel (before run 33); the scan step's loads in the order of use (before run
+    # 30); the fill as torch.cat per layer (before run 32); with --all-variants the runs' outputs corrected
     # after the scan instead of inside it, and the graph in 4 pieces (run 19 also timed seam runs fused
     # with the segment after them: 68.2 against 64.7 ms, removed)
     from hypic.layers import linear as _linear
@@ -312,8 +313,11 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         old = getattr(mod, name)
         return (lambda: setattr(mod, name, value)), (lambda: setattr(mod, name, old))
 
+    from hypic.ops import fast as _fast
+
     variants = [("default", (lambda: None, lambda: None), {}),
-                ("runs_T_dense", flag(_linear, "RUN_FACTORS", False), {})]
+                ("runs_T_factored", flag(_linear, "RUN_FACTORS", True), {}),          # the default of runs 27-32
+                ("moe_grouped_mm", flag(_fast, "MOE_FEW_ROWS", False), {})]           # before run 33
     if _ts is not None:
         variants.append(("scan_loads_in_use_order", flag(_ts, "LOADS_FIRST", False), {}))
     from hypic.runtime import compose_graph as _cg

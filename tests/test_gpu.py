@@ -177,6 +177,26 @@ def test_triton_summary_matches_reference():
 
 
 @cuda
+def test_triton_moe_matches_reference():
+    """The few-rows MoE kernel (ops/triton_moe.py) in bf16, through the backend's dispatch, against the fp32
+    per-expert reference; an expert with more rows than a block (several passes) included. Bound:
+    gpu_check.py's (bf16 operands and bf16 rows between the products)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ne, hd, inter, k = 16, 256, 128, 4
+    gu = (torch.randn(ne, 2 * inter, hd, device="cuda", generator=g) * 0.05).bfloat16()
+    dn = (torch.randn(ne, hd, inter, device="cuda", generator=g) * 0.05).bfloat16()
+    for n in (1, 9, 60):
+        x = torch.randn(n, hd, device="cuda", generator=g).bfloat16()
+        w, ex = fast.route(x, (torch.randn(ne, hd, device="cuda", generator=g) * 0.05).bfloat16(), k, True)
+        if n == 60:
+            ex[:40, 0] = 3                                  # 40+ rows on one expert: several blocks
+        y0 = ref.experts_forward(x.float(), w.float(), ex, gu.float(), dn.float())
+        assert n * k <= fast.FEW_ROWS_PER_EXPERT * ne
+        y1 = fast.experts_forward(x, w, ex, gu, dn)
+        assert "moe" not in fast.FAILED and rel(y1, y0) < 1e-2, n
+
+
+@cuda
 def test_engine_bf16_cuda_matches_cpu_reference():
     """The same weights in fp32 on the CPU (reference ops) and bf16 on CUDA (fast ops); the bound is
     twice the CPU reference's own error in bf16 on this model (gpu_check.py explains why)."""
@@ -311,7 +331,7 @@ def test_triton_scan_in_triton_interpreter():
     """Where triton is installed but there is no GPU: the scan kernel's forms (stacked maps, slot order,
     runs read in place, the compose pass's step table and two chains, runs' transitions dense or factored),
     the split-K position attention, the zero-start summary of short runs (dense or factored transitions) and
-    the gathered conv run in Triton's CPU interpreter against the fp64 references; a whole compose pass through those kernels equals the planned walk, and so does
+    the gathered conv and the few-rows MoE kernel run in Triton's CPU interpreter against the fp64 references; a whole compose pass through those kernels equals the planned walk, and so does
     one with every kernel marked as failed to build (their PyTorch forms; a subprocess: the interpreter
     is chosen when triton is imported)."""
     import importlib.util
@@ -328,6 +348,7 @@ import sys
 sys.modules["fla"] = None; sys.modules["causal_conv1d"] = None
 import torch
 from hypic.ops import triton_scan
+from hypic.ops.reference import experts_forward as ref_moe
 from hypic.compose import scan as sc
 torch.manual_seed(0)
 H, K, V, E, N = 2, 32, 16, 3, 4
@@ -452,6 +473,18 @@ rows = np.asarray([[t.data_ptr(), dst.data_ptr() + o * 32, t.numel() * 4] for t,
 copy_blocks(rows, "cpu")
 assert torch.equal(dst[0:3], srcs[0]) and torch.equal(dst[5:45], srcs[1]) and torch.equal(dst[49:], srcs[2])
 assert dst[3:5].abs().sum() == 0 and dst[45:49].abs().sum() == 0
+from hypic.ops import triton_moe                     # the routed experts for few rows per expert
+for n, k, ne, hd, inter in ((7, 3, 5, 64, 48), (40, 2, 4, 32, 16), (1, 2, 6, 48, 32)):   # (40, 2, 4): 20 rows > BM
+    x = torch.randn(n, hd)
+    wt, ex = torch.softmax(torch.randn(n, ne), -1).topk(k, -1)
+    gu, dn = torch.randn(ne, 2 * inter, hd) / hd ** .5, torch.randn(ne, hd, inter) / inter ** .5
+    y0 = ref_moe(x.double(), wt.double(), ex, gu.double(), dn.double())
+    flat = ex.reshape(-1)
+    offs = torch.bincount(flat, minlength=ne).cumsum(0).to(torch.int32)
+    for cfgs in ((triton_moe._CONFIGS["gate_up"][0], triton_moe._CONFIGS["down"][0]),
+                 (triton_moe._CONFIGS["gate_up"][1], triton_moe._CONFIGS["down"][1])):
+        y1 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, flat.argsort(stable=True), offs, configs=cfgs)
+        assert rel(y1, y0) < 1e-6, (n, k, ne)
 from hypic.ops.triton_conv import gathered_conv
 src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
 w, b = torch.randn(300, 4), torch.randn(300)
@@ -467,15 +500,20 @@ ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(1
       for o, q in (((0, 1, 2), 10), ((2, 0, 1), 41))]
 sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
 out = {}
-for comp in ("eager", "static"):
-    llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose=comp, seed=0)
-    out[comp] = [llm.generate([p], sp)[0] for p in ps]
-bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
-assert getattr(bufs0, "copy_table", None) is not None          # the fill went through the copy kernel
-lay0 = bufs0.layers[0]
-assert llm.engine.composer.runs == len(ps) and "steps" in lay0 and lay0["factor_width"] == 16
-for a, b in zip(out["eager"], out["static"]):
-    assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
+llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="eager", seed=0)
+out["eager"] = [llm.generate([p], sp)[0] for p in ps]
+from hypic.layers import linear as lin
+for factored in (False, True):                 # the runs' transitions dense [S | T] (default) or factored
+    lin.RUN_FACTORS = factored
+    llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
+    got = [llm.generate([p], sp)[0] for p in ps]
+    bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
+    assert getattr(bufs0, "copy_table", None) is not None          # the fill went through the copy kernel
+    lay0 = bufs0.layers[0]
+    assert llm.engine.composer.runs == len(ps) and "steps" in lay0 and lay0.get("factor_width") == (16 if factored else None)
+    for a, b in zip(out["eager"], got):
+        assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4, factored
+lin.RUN_FACTORS = False
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):

@@ -712,7 +712,10 @@ _SHORT_RUN = 64
 _CORRECTED_TOKENS = 4096
 LONG_CHAINS_EVERYWHERE = False     # tests: take the one-call walk for long chains on the CPU too
 FUSE_CORRECTION = True             # the compose pass's step-table scan corrects the runs' outputs itself
-RUN_FACTORS = True                 # the compose pass's runs' transitions in factored form where a kernel gives them
+# the compose pass's runs' transitions in factored form where a kernel gives them (T = gamma I - Kd^T W). Off: the
+# dense [S | T] was 0.5 ms faster on the warm request in both interleaved runs (H200 runs 30, 31) and its chain
+# 8% faster in the micro-benchmark with the step's loads issued first (0.350 vs 0.382 ms); kept as a variant
+RUN_FACTORS = False
 
 
 def _isolated_ok(batch, fresh: bool) -> bool:

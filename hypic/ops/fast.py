@@ -9,7 +9,9 @@
                        (the compose pass) in a split-K Triton kernel with a position mask
                        (ops/triton_attention.py; explicit scores where triton is missing); else SDPA
                        with a position mask; decode over fixed-size per-sequence slots without a host sync
-    MoE experts        two grouped GEMMs (torch._grouped_mm) over tokens sorted by expert
+    MoE experts        tokens sorted by expert; few rows per expert (a warm pic request, decode): the
+                       weights streamed by a Triton kernel (ops/triton_moe.py), else two grouped GEMMs
+                       (torch._grouped_mm)
 KDA, GLA and simple GLA stay on the reference ops here (their fla kernels are not wired yet).
 
 Every function here has a test against its reference twin (tests/test_fast_ops.py on CPU,
@@ -56,7 +58,7 @@ def _fla_conv():
 _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": ("triton_summary", "summary"),
             "chunk_summary": ("triton_summary", "chunk_summary"),
             "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps"),
-            "copy": ("triton_copy", "copy_blocks")}
+            "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
@@ -485,8 +487,16 @@ def decode_attention(q, k, v, lengths, *, scale: float):
 
 
 # -- MoE -------------------------------------------------------------------------------------------------
+# few rows per expert (a warm pic request's seams and query, decode): the experts' weight tiles streamed by a
+# Triton kernel (ops/triton_moe.py) where the rows average at most FEW_ROWS_PER_EXPERT per expert; more
+# rows: torch._grouped_mm. MOE_FEW_ROWS False: always the grouped GEMMs (gpu_bench's side-by-side variant)
+MOE_FEW_ROWS = True
+FEW_ROWS_PER_EXPERT = 16
+
+
 def experts_forward(x, weights, experts, gate_up, down):
-    """Tokens sorted by expert, two grouped GEMMs, and a deterministic combine (a batched GEMM, no atomics)."""
+    """Tokens sorted by expert; the Triton kernel for few rows per expert, else two grouped GEMMs; a
+    deterministic combine (no atomics)."""
     if x.dtype == torch.float64 or (x.is_cuda and x.dtype != torch.bfloat16):   # grouped GEMM: bf16 on CUDA
         return ref.experts_forward(x, weights, experts, gate_up, down)
     n, k = experts.shape
@@ -498,6 +508,13 @@ def experts_forward(x, weights, experts, gate_up, down):
     order = keys.argsort(stable=True)
     counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
     offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)  # no sync
+    if MOE_FEW_ROWS and n * k <= FEW_ROWS_PER_EXPERT * e and triton_here(x):
+        kern = triton_kernel("moe", x)
+        if kern is not None:
+            try:
+                return kern(x, weights, experts, gate_up, down, order, offs)
+            except Exception as err:
+                kernel_failed("moe", err)
     xs = x[order // k]
     gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)     # [n*k, H]

@@ -1,0 +1,193 @@
+"""Triton kernels: the routed experts of a MoE layer for few tokens per expert (CUDA only).
+
+A warm `pic` request sends a few hundred tokens through each MoE layer (seam windows, the query); with
+top-8 of 256 experts that is ~8 rows per expert, and decode has fewer. The layer then costs what it
+takes to read every expert's weights once (1.6 GB per layer on Qwen3.5-35B-A3B). torch._grouped_mm's
+kernels are made for many rows per expert: on the H200 they read the weights at ~72% of the copy rate
+in the warm request (run 31: 21.3 ms for 64.4 GB). Here each program streams one tile of one expert's
+weight rows through its K loop, with the expert's few token rows as the narrow side of the product
+(weights [BN, BK] x tokens^T [BK, BM]); the token rows are gathered by index inside the kernel:
+
+    gate_up   program (expert e, column block nb): acc_g, acc_u [BN, BM] over H; h = silu(g) * u
+              written in sorted order (bf16 rows [n*k, I])
+    down      program (expert e, column block nb): acc [BN, BM] over I, times each row's routing
+              weight, written at the row's own place (token t, choice j) -> ys [n, k, H]; the caller
+              sums the k rows of each token (no atomics: the sum's order is fixed)
+
+An expert with more than BM rows takes several passes over its weight tile (the second from L2). The
+tile sizes, warps and pipeline depth are picked per shape by timing a few configurations on the first
+eager call (not while a CUDA graph is captured). Imported lazily (ops/fast.py): needs triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows(order, m0, r1, BM: tl.constexpr, TOPK: tl.constexpr):
+    rows = m0 + tl.arange(0, BM)
+    mr = rows < r1
+    a = tl.load(order + rows, mask=mr, other=0)           # the row's (token, choice) index t * k + j
+    return rows, mr, a, a // TOPK
+
+
+@triton.jit
+def _gate_up_kernel(x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr, I: tl.constexpr,
+                    TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                    PREC: tl.constexpr):
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    r1 = tl.load(offs + e)
+    r0 = tl.load(offs + e - 1, mask=e > 0, other=0)
+    rn = nb * BN + tl.arange(0, BN)
+    mn = rn < I
+    rk = tl.arange(0, BK)
+    wg = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :]       # gate rows
+    wu = wg + I * s_wn                                                                 # up rows
+    m0 = r0
+    while m0 < r1:
+        rows, mr, a, tok = _rows(order, m0, r1, BM, TOPK)
+        xp = x + tok[None, :].to(tl.int64) * s_x + rk[:, None]                         # x^T [BK, BM]
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            mk = (k0 + rk) < H
+            xt = tl.load(xp + k0, mask=mk[:, None] & mr[None, :], other=0.0)
+            g = tl.load(wg + k0, mask=mn[:, None] & mk[None, :], other=0.0)
+            u = tl.load(wu + k0, mask=mn[:, None] & mk[None, :], other=0.0)
+            acc_g = tl.dot(g, xt, acc_g, input_precision=PREC)
+            acc_u = tl.dot(u, xt, acc_u, input_precision=PREC)
+        y = acc_g * tl.sigmoid(acc_g) * acc_u                                          # silu(g) * u, fp32
+        tl.store(h + rows[None, :].to(tl.int64) * s_h + rn[:, None], y.to(h.dtype.element_ty),
+                 mask=mn[:, None] & mr[None, :])
+        m0 += BM
+
+
+@triton.jit
+def _down_kernel(h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H: tl.constexpr, I: tl.constexpr,
+                 TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                 PREC: tl.constexpr):
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    r1 = tl.load(offs + e)
+    r0 = tl.load(offs + e - 1, mask=e > 0, other=0)
+    rn = nb * BN + tl.arange(0, BN)
+    mn = rn < H
+    rk = tl.arange(0, BK)
+    wp = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :]       # down rows [BN, BK]
+    m0 = r0
+    while m0 < r1:
+        rows, mr, a, tok = _rows(order, m0, r1, BM, TOPK)
+        hp = h + rows[None, :].to(tl.int64) * s_h + rk[:, None]                          # h^T [BK, BM]
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in tl.range(0, I, BK, num_stages=STAGES):
+            mk = (k0 + rk) < I
+            ht = tl.load(hp + k0, mask=mk[:, None] & mr[None, :], other=0.0)
+            d = tl.load(wp + k0, mask=mn[:, None] & mk[None, :], other=0.0)
+            acc = tl.dot(d, ht, acc, input_precision=PREC)
+        wt = tl.load(wts + a, mask=mr, other=0.0).to(tl.float32)                         # routing weight
+        acc = acc * wt[None, :]
+        tl.store(ys + a[None, :].to(tl.int64) * s_y + rn[:, None], acc.to(ys.dtype.element_ty),
+                 mask=mn[:, None] & mr[None, :])
+        m0 += BM
+
+
+# (BM, BN, BK, warps, stages) per kernel, tried on a shape's first eager call; the first is the default
+_CONFIGS = {
+    "gate_up": ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 64, 256, 8, 3), (32, 64, 128, 4, 3),
+                (16, 128, 128, 8, 3), (16, 32, 256, 4, 3)),
+    "down": ((16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (32, 64, 128, 4, 3),
+             (16, 128, 64, 4, 4), (16, 32, 128, 4, 4)),
+}
+TUNED: dict = {}                 # (kernel, shape key) -> (config, {config: ms}) (benchmarks print them)
+
+
+def _tuned(key, device, launch, out, kind: str):
+    """The fastest configuration for this shape (timed once, eagerly); a configuration whose result differs
+    from the first one's by more than 1e-2 relative (a broken build, not rounding) is never chosen."""
+    hit = TUNED.get(key)
+    if hit is not None:
+        return hit[0]
+    configs = _CONFIGS[kind]
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return configs[0]
+    times, first = {}, None
+    for cfg in configs:
+        try:
+            launch(cfg)
+            if first is None:
+                first = out.float().clone()
+            elif float((out.float() - first).norm()) > 1e-2 * float(first.norm()) + 1e-30:
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(3):
+                launch(cfg)
+            b.record()
+            b.synchronize()
+            times[cfg] = a.elapsed_time(b) / 3
+        except Exception:  # a configuration this GPU / Triton cannot build: skipped
+            continue
+    if not times:
+        return configs[0]
+    best = min(times, key=times.get)
+    TUNED[key] = (best, times)
+    return best
+
+
+def _bucket(rows: int) -> int:
+    return 1 << max(0, (rows - 1).bit_length())
+
+
+def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: bool = True, configs=None):
+    """The routed experts' sum for token rows already sorted by expert (fast.experts_forward's layout).
+
+    x [n, H]; weights [n, k] (routing weights); experts [n, k]; gate_up [E, 2I, H] (gate rows first);
+    down [E, H, I]; order [n*k]: row r of the sorted layout is choice order[r] (= t * k + j); offs [E]
+    int32: expert e's rows end at offs[e] (inclusive cumulative counts). -> y [n, H] in x's dtype,
+    y_t = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = experts[t, j].
+    configs: (gate_up config, down config) to use instead of the tuned ones (tests, benchmarks)."""
+    n, k = experts.shape
+    e, i2, hd = gate_up.shape
+    i = i2 // 2
+    if down.shape != (e, hd, i) or x.shape[-1] != hd:
+        raise ValueError(f"expert shapes disagree: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, "
+                         f"down {tuple(down.shape)}")
+    x = x.contiguous()
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    order = order.contiguous()
+    offs = offs.to(torch.int32).contiguous()
+    wts = weights.reshape(-1).contiguous()
+    hbuf = x.new_empty((n * k, i))
+    ys = x.new_empty((n * k, hd))
+    prec = "ieee" if x.dtype == torch.float32 else None       # fp32 operands (CPU interpreter tests): exact
+    rows_b = _bucket(max(1, n * k // max(e, 1)))
+
+    def up_launch(cfg):
+        bm, bn, bk, w, st = cfg
+        _gate_up_kernel[(e, triton.cdiv(i, bn))](
+            x, order, offs, gate_up, hbuf, x.stride(0), gate_up.stride(0), gate_up.stride(1), hbuf.stride(0),
+            H=hd, I=i, TOPK=k, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=prec, num_warps=w)
+
+    def down_launch(cfg):
+        bm, bn, bk, w, st = cfg
+        _down_kernel[(e, triton.cdiv(hd, bn))](
+            hbuf, order, offs, wts, down, ys, hbuf.stride(0), down.stride(0), down.stride(1), ys.stride(0),
+            H=hd, I=i, TOPK=k, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=prec, num_warps=w)
+
+    if configs is not None:
+        cu, cd = configs
+    elif tune:
+        cu = _tuned(("gate_up", e, hd, i, k, rows_b, x.dtype), x.device, up_launch, hbuf, "gate_up")
+    else:
+        cu = _CONFIGS["gate_up"][0]
+    up_launch(cu)
+    if configs is None:
+        cd = (_tuned(("down", e, hd, i, k, rows_b, x.dtype), x.device, down_launch, ys, "down") if tune
+              else _CONFIGS["down"][0])
+    down_launch(cd)
+    # each token's k rows summed in fp32, rounded once
+    return ys.view(n, k, hd).sum(1, dtype=torch.float32).to(x.dtype)
