@@ -323,9 +323,12 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     from hypic.runtime import compose_graph as _cg
 
     variants.append(("fill_by_cat", flag(_cg, "COPY_BY_ADDRESS", False), {}))   # before run 32
+    # the graph in other numbers of pieces (each piece's layers filled just before its launch; one piece: the
+    # whole fill, then one launch, as before run 34)
+    nop = (lambda: None, lambda: None)
+    variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (1, 2, 8) if p != comp.pieces]
     if args.all_variants:
-        variants += [("correction_after_scan", flag(_linear, "FUSE_CORRECTION", False), {}),
-                     ("graph_in_4_pieces", (lambda: None, lambda: None), {"pieces": 4})]
+        variants += [("correction_after_scan", flag(_linear, "FUSE_CORRECTION", False), {})]
     tuned = _ts.TUNED if _ts is not None else {}
     print(f"scan tuner picks: {({k: v[0] for k, v in tuned.items()})}", flush=True)
     rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in tuned.items()}

@@ -594,9 +594,9 @@ class EngineConfig:
     compose: str = "auto"              # one request's compose pass: "eager" (the planned walk), "static" (fixed
                                        # buffers, runtime/compose_graph.py), "graph" (those replayed as a CUDA
                                        # graph); auto: graph on CUDA, eager elsewhere
-    compose_pieces: int = 1            # the compose graph captured as this many graphs over consecutive layers,
-                                       # launched one after another (the GPU starts on the first while the host
-                                       # launches the rest)
+    compose_pieces: int = 4            # the compose graph captured as this many graphs over consecutive layers,
+                                       # each piece's buffers filled just before its launch (the GPU starts on
+                                       # the first while the host fills and launches the rest)
 
     def __post_init__(self):
         if self.decode not in ("auto", "dynamic", "static", "graph"):

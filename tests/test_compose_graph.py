@@ -215,3 +215,77 @@ def test_state_made_after_the_first_token_only_for_requests_that_go_on(hf_checkp
     want = ref.score(prompts[1], cont)
     assert out.token_ids == ref.generate([prompts[1]], one)[0].token_ids
     assert max(abs(x - y) for x, y in zip(logp, want)) < 1e-4
+
+
+PIECES = 3
+
+
+def test_pieces_filled_just_before_each_runs(hf_checkpoints):
+    """With the compose graph in pieces, a replay fills each piece's layers just before launching it (the
+    GPU starts on the first piece while the host fills the rest). The CUDA graphs are stood in for by the same
+    layers run eagerly over the same buffers: the fills and pieces interleave in layer order, every layer is
+    filled once per request, and tokens and logits equal the planned walk's."""
+    from hypic.runtime.compose_graph import ComposeBuffers, GraphCompose
+    from hypic.runtime.graphs import Captured, cuts
+
+    path = hf_checkpoints["qwen3_5"][1]
+    segs = [rand_ids(n, 400 + i) for i, n in enumerate((30, 41, 52, 25))]
+    prompts = [Prompt(segments=[segs[i] for i in o], query=rand_ids(6, 410 + j))
+               for j, o in enumerate(((0, 1, 2, 3), (3, 1, 0, 2), (2, 3, 1, 0), (1, 0, 3, 2)))]
+    ref = LLM(str(path), seam=4, compose="eager")
+    llm = LLM(str(path), seam=4, compose="static")
+    comp = llm.engine.composer
+    comp.graphs = True                             # capture on a shape's second request, as on CUDA
+    events = []
+
+    def capture(self, hit):                        # eager pieces in place of the graphs
+        bufs = hit[0]
+        batch = bufs.batch()
+        layers = self.model.model.layers
+        bounds = cuts(len(layers), PIECES)
+        logits = self.model(batch).clone()
+        h = {}
+
+        class Piece:
+            def __init__(self, i):
+                self.i = i
+
+            def replay(self):
+                events.append(("run", bounds[self.i], bounds[self.i + 1]))
+                with torch.inference_mode():
+                    if self.i == 0:                # (a graph recomputes what the scratch memoizes)
+                        batch.scratch.clear()
+                        h["x"] = comp.model.embed(batch)
+                    for layer in layers[bounds[self.i]: bounds[self.i + 1]]:
+                        h["x"] = layer(h["x"], batch)
+                    if self.i == len(bounds) - 2:
+                        logits.copy_(comp.model.head(h["x"], batch))
+
+        hit[1], hit[2], hit[3] = Captured([Piece(i) for i in range(len(bounds) - 1)], bounds), logits, \
+            [None, bufs.outputs, batch.scratch]
+
+    orig_fill = ComposeBuffers.fill
+
+    def fill(self, low, lo, hi):
+        events.append(("fill", lo, hi))
+        return orig_fill(self, low, lo, hi)
+
+    GraphCompose._capture, saved = capture, GraphCompose._capture
+    ComposeBuffers.fill = fill
+    try:
+        sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
+        for p in prompts[:1]:                                  # cold: the segments cached
+            ref.generate([p], sp)
+            llm.generate([p], sp)
+        for p in prompts[1:]:                                  # warm: planned, captured, then staged replays
+            events.clear()
+            a, b = ref.generate([p], sp)[0], llm.generate([p], sp)[0]
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+    finally:
+        GraphCompose._capture = saved
+        ComposeBuffers.fill = orig_fill
+    n = len(comp.model.model.layers)
+    b = cuts(n, 3)
+    want = [e for i in range(3) for e in (("fill", b[i], b[i + 1]), ("run", b[i], b[i + 1]))]
+    assert comp.replays >= 1 and events == want

@@ -508,7 +508,7 @@ for factored in (False, True):                 # the runs' transitions dense [S 
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
     got = [llm.generate([p], sp)[0] for p in ps]
     bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
-    assert getattr(bufs0, "copy_table", None) is not None          # the fill went through the copy kernel
+    assert getattr(bufs0, "copy_tables", None)                      # the fill went through the copy kernel
     lay0 = bufs0.layers[0]
     assert llm.engine.composer.runs == len(ps) and "steps" in lay0 and lay0.get("factor_width") == (16 if factored else None)
     for a, b in zip(out["eager"], got):

@@ -301,30 +301,45 @@ class ComposeBuffers:
             for i, buf in enumerate(users):
                 buf["steps_host"], buf["steps"] = host[i], dev[i]
             self.steps = (host, dev)
+            self.steps_layers = [l for l in self.layers if any(self.layers[l] is b for b in users)]
+        self.copy_tables: list = []
 
     def batch(self) -> ForwardBatch:
         return ForwardBatch(self.ids, self.positions, [], self.logits_index, captured=self)
 
     def load(self, low: Lowered) -> None:
+        """The request's tables and every layer's cached tensors into the buffers."""
+        self.load_tables(low)
+        self.fill(low, 0, 1 << 30)
+
+    def load_tables(self, low: Lowered) -> None:
         for name, t in low.tables.items():
             getattr(self, name).copy_(t, non_blocking=True)
+        self.copy_tables = []
+
+    def fill(self, low: Lowered, lo: int, hi: int) -> None:
+        """The cached tensors of the layers lo..hi-1 into their buffers (after load_tables)."""
         from ..ops.fast import kernel_failed, triton_here, triton_kernel
 
         copy = triton_kernel("copy") if COPY_BY_ADDRESS and triton_here(self.ids) else None
         copies = [] if copy is not None else None
-        for l, m in self.mixers.items():
+        mixers = [(l, m) for l, m in self.mixers.items() if lo <= l < hi]
+        for l, m in mixers:
             m.compose_fill(self.layers[l], low, l, copies)
         if copies:
-            # the cached segments' keys, values and conv tails of every layer in one launch (as torch.cat
+            # the cached segments' keys, values and conv tails of these layers in one launch (as torch.cat
             # calls: ~50 launches of ~90 us of host time each on the 35B request)
             try:
-                self.copy_table = copy(np.asarray(copies, dtype=np.int64), self.device)
+                self.copy_tables.append(copy(np.asarray(copies, dtype=np.int64), self.device))
             except Exception as e:  # the kernel cannot be built here: the same packing by torch.cat
                 kernel_failed("copy", e)
-                for l, m in self.mixers.items():
+                for l, m in mixers:
                     m.compose_fill(self.layers[l], low, l)
         if self.steps is not None:
-            self.steps[1].copy_(self.steps[0], non_blocking=True)
+            rows = [i for i, l in enumerate(self.steps_layers) if lo <= l < hi]
+            if rows:
+                a, b = rows[0], rows[-1] + 1                       # layers in order: a contiguous slice
+                self.steps[1][a:b].copy_(self.steps[0][a:b], non_blocking=True)
 
 
 class GraphCompose:
@@ -435,13 +450,21 @@ class GraphCompose:
                 return None
         hit = self._slot(low.shape)
         bufs = hit[0]
+        staged = hit[1] is not None and len(hit[1].graphs) > 1
         with span("compose.load"):
-            bufs.load(low)
+            if staged:                      # each piece's layers filled just before its graph is launched
+                bufs.load_tables(low)
+            else:
+                bufs.load(low)
         if self.graphs and hit[1] is None:
             self._capture(hit)
         if hit[1] is not None:
+            def fill(lo, hi):
+                with span("compose.fill"):
+                    bufs.fill(low, lo, hi)
+
             with span("compose.replay"):
-                hit[1].replay()
+                hit[1].replay(fill if staged else None)
             logits, outputs = hit[2], hit[3][1]
             self.replays += 1
         else:

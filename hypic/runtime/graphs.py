@@ -10,11 +10,16 @@ class Captured:
     several, the GPU starts on the first while the host is still launching the rest (a graph's launch
     costs the host time in proportion to its nodes: ~5 ms for the 35B compose pass's ~3,000)."""
 
-    def __init__(self, graphs: list):
+    def __init__(self, graphs: list, bounds: list[int] | None = None):
         self.graphs = graphs
+        self.bounds = bounds if bounds is not None else [0, 0]     # graph i runs layers bounds[i]..bounds[i+1]-1
 
-    def replay(self) -> None:
-        for g in self.graphs:
+    def replay(self, before=None) -> None:
+        """before(lo, hi) (optional) runs on the host ahead of the graph over layers lo..hi-1 (the compose pass
+        fills that piece's buffers there, so the GPU starts on the first piece before the last is filled)."""
+        for i, g in enumerate(self.graphs):
+            if before is not None:
+                before(self.bounds[i], self.bounds[i + 1])
             g.replay()
 
 
@@ -56,4 +61,4 @@ def capture_forward(model, batch, device, pieces: int = 1):
                     out = model.head(h, batch)
             pool = graph.pool() if pool is None else pool
             graphs.append(graph)
-    return Captured(graphs), out, pin_layouts()
+    return Captured(graphs, bounds), out, pin_layouts()
