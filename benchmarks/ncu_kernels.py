@@ -3,7 +3,7 @@ cached maps, 20 seams of 8 tokens, the query's 4 pieces of 16 and 2 pad runs, 32
 transitions dense, outputs corrected in place) and the few-rows MoE kernels at 256 tokens on Qwen3.5-35B-A3B's
 experts. Each is launched a few times after a warm-up, so ncu can skip the compiles and tuning:
 
-    ncu --clock-control none -k regex:_scan_steps_kernel -s 3 -c 1 --section WarpStateStats ... \\
+    ncu --clock-control none -k regex:_scan_steps_kernel -s 26 -c 1 --section WarpStateStats ... \\
         python3 benchmarks/ncu_kernels.py scan
 """
 
@@ -49,7 +49,7 @@ def scan():
     cu2 = torch.tensor([0, 44, 46], dtype=torch.int32, device="cuda")
     init = torch.randn(2, h, k, v, device="cuda", generator=g)
     outs = torch.cat([o, u], -1)
-    for _ in range(6):
+    for _ in range(10):
         triton_scan.scan_steps(init, steps, cu2, aug, 46, outputs=outs, max_run=16)
     torch.cuda.synchronize()
     ck = triton_scan.COMPILED.get("steps")
@@ -64,7 +64,7 @@ def moe():
     dn = (torch.randn(e, hd, i, device="cuda", generator=g) * 0.02).bfloat16()
     x = torch.randn(n, hd, device="cuda", generator=g).bfloat16()
     w, ex = fast.route(x, (torch.randn(e, hd, device="cuda", generator=g) * 0.02).bfloat16(), k, True)
-    for _ in range(6):
+    for _ in range(10):
         fast.experts_forward(x, w, ex, gu, dn)
     torch.cuda.synchronize()
     from hypic.ops import triton_moe
