@@ -320,6 +320,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("moe_grouped_mm", flag(_fast, "MOE_FEW_ROWS", False), {})]           # before run 33
     if _ts is not None:
         variants.append(("scan_loads_in_use_order", flag(_ts, "LOADS_FIRST", False), {}))
+        variants.append(("scan_strides_per_element", flag(_ts, "BRANCH_LOADS", False), {}))   # before run 35
     from hypic.runtime import compose_graph as _cg
 
     variants.append(("fill_by_cat", flag(_cg, "COPY_BY_ADDRESS", False), {}))   # before run 32

@@ -289,9 +289,12 @@ class LinearMixer(nn.Module):
                      and u.stride() == o0.stride() and o0.stride(1) == dv + u.shape[-1])
             full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1)) \
                 if fused else None
+            # fused, the pad runs need no chain (their outputs only need to be finite, and are from zero): the
+            # request's chain alone (the pad chain's 128 programs took half the SMs of the first wave, H200 run 34)
+            chains = 1 if fused else 2
             try:
-                before, final = scan_steps(buf["init"], buf["steps"], c.cu_maps, runs, e + sh.runs, outputs=full,
-                                           max_run=sh.lmax, factors=factors)
+                before, final = scan_steps(buf["init"][:chains], buf["steps"], c.cu_maps[: chains + 1], runs,
+                                           e + sh.runs, outputs=full, max_run=sh.lmax, factors=factors)
             except Exception as err:  # the maps stacked from now on (eager)
                 kernel_failed("steps", err)
             else:

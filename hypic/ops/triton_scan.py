@@ -111,6 +111,35 @@ def _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K: tl.constexpr, V: 
 
 
 @triton.jit
+def _dense_map_branched(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K: tl.constexpr,
+                        V: tl.constexpr, EVEN: tl.constexpr):
+    """`_dense_map` with a uniform branch on the map's kind instead of per-element strides chosen at run time:
+    each branch reads with constant strides from offsets made once per program (off_kk, off_kv: a cached
+    map's T [K, K] and S block; off_at, off_as: a run's [S | T] rows of V + K), so a load costs one add per
+    element instead of a multiply and two adds (run 34's profile: the integer pipe was the busiest). EVEN:
+    the blocks cover K and V exactly (no masks)."""
+    if is_run:
+        tp = (tv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
+        sp = (sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
+        if EVEN:
+            t = tl.load(tp + off_at)
+            s = tl.load(sp + off_as)
+        else:
+            t = tl.load(tp + off_at, mask=m_kk, other=0.0)
+            s = tl.load(sp + off_as, mask=m_kv, other=0.0)
+    else:
+        tp = tv.to(tl.pointer_type(tl.float32)) + h * (K * K)
+        sp = sv.to(tl.pointer_type(tl.float32)) + h * (K * V)
+        if EVEN:
+            t = tl.load(tp + off_kk)
+            s = tl.load(sp + off_kv)
+        else:
+            t = tl.load(tp + off_kk, mask=m_kk, other=0.0)
+            s = tl.load(sp + off_kv, mask=m_kv, other=0.0)
+    return t, s
+
+
+@triton.jit
 def _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
     """Where a run's tokens sit in the summary outputs ou [N, H, V + K] (first token and count in its step
     row): pointers and masks of their u_t [BT, K] (last K columns) and of their outputs [BT, BV]."""
@@ -125,9 +154,10 @@ def _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K: tl.constexpr, V:
 
 
 @triton.jit
-def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H: tl.constexpr,
-                K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr,
-                BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr):
+def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk, off_at,
+                off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
+                CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr,
+                BRANCH: tl.constexpr, EVEN: tl.constexpr):
     """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
     S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
     a_addr) at that byte offset; with FACTORS its S [H, K, V] lies there and its transition's factors
@@ -168,14 +198,18 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
             t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk, other=0.0)
             xn = tl.dot(t, x, input_precision=PREC) + s
         return xn
-    t, s = _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K, V)
+    if BRANCH:
+        t, s = _dense_map_branched(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
+    else:
+        t, s = _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K, V)
     return tl.dot(t, x, input_precision=PREC) + s
 
 
 @triton.jit
 def _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk,
-                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
-                            CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr):
+                            off_kk, off_at, off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
+                            FACTORS: tl.constexpr, BF: tl.constexpr, BRANCH: tl.constexpr, EVEN: tl.constexpr):
     """`_chain_step` with the step's loads (S; T or its factors; the correction's u and o) issued together
     before any product: a loaded value is used only after the last load is issued. A masked load whose mask
     is off reads nothing, so the map kind the step does not have costs no memory traffic."""
@@ -195,6 +229,8 @@ def _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh,
         gam = tl.load(fp + 2 * BF * K, mask=is_run, other=0.0)
         tp = tv.to(tl.pointer_type(tl.float32))
         t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
+    elif BRANCH:
+        t, s = _dense_map_branched(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
     else:
         t, s = _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K, V)
     if CORRECT:
@@ -218,15 +254,17 @@ def _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh,
 
 
 @triton.jit
-def _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H: tl.constexpr,
-             K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr,
-             BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, LOADS_FIRST: tl.constexpr):
+def _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk, off_at, off_as,
+             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
+             CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr,
+             LOADS_FIRST: tl.constexpr, BRANCH: tl.constexpr, EVEN: tl.constexpr):
     if LOADS_FIRST:
         xn = _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv,
-                                     m_kk, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF)
+                                     m_kk, off_kk, off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF,
+                                     BRANCH, EVEN)
     else:
-        xn = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K, V,
-                         PREC, W, CORRECT, BT, FACTORS, BF)
+        xn = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                         off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, BRANCH, EVEN)
     return xn
 
 
@@ -234,7 +272,8 @@ def _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off
 def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                        STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
-                       FACTORS: tl.constexpr, BF: tl.constexpr, LOADS_FIRST: tl.constexpr):
+                       FACTORS: tl.constexpr, BF: tl.constexpr, LOADS_FIRST: tl.constexpr, BRANCH: tl.constexpr,
+                       EVEN: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -245,18 +284,21 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
     m_kv = mk[:, None] & mv[None, :]
     m_kk = mk[:, None] & mk[None, :]
     off_kv = rk[:, None] * V + rv[None, :]
+    off_kk = rk[:, None] * K + rk[None, :]                       # (BRANCH: the offsets made once, here)
+    off_at = rk[:, None] * (V + K) + V + rk[None, :]
+    off_as = rk[:, None] * (V + K) + rv[None, :]
     x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     j0 = tl.load(cu + r)
     j1 = tl.load(cu + r + 1)
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            x = _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K,
-                         V, PREC, W, CORRECT, BT, FACTORS, BF, LOADS_FIRST)
+            x = _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                         off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, LOADS_FIRST, BRANCH, EVEN)
     else:
         j = j0
         while j < j1:
-            x = _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, H, K,
-                         V, PREC, W, CORRECT, BT, FACTORS, BF, LOADS_FIRST)
+            x = _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                         off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, LOADS_FIRST, BRANCH, EVEN)
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
@@ -264,6 +306,9 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
 # the step-table scan issues a step's loads before its products (`_chain_step_loads_first`); False: in the
 # order of use (`_chain_step`, before run 30), kept for gpu_bench's side-by-side variant
 LOADS_FIRST = True
+# a step's dense map read with constant strides under a uniform branch on its kind (`_dense_map_branched`); False:
+# strides picked per element at run time (`_dense_map`, before run 35), kept for gpu_bench's side-by-side variant
+BRANCH_LOADS = True
 COMPILED: dict = {}          # the last launched compiled kernel per kind ("steps"): its n_regs / n_spills for gpu_check
 
 _SMS: dict = {}
@@ -410,7 +455,7 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
             init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
             STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
-            LOADS_FIRST=LOADS_FIRST, num_warps=w)
+            LOADS_FIRST=LOADS_FIRST, BRANCH=BRANCH_LOADS, EVEN=bk == k and v % b == 0, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
     form = "steps" if factors is None else "steps+factors"
