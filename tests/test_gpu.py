@@ -503,6 +503,8 @@ out = {}
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="eager", seed=0)
 out["eager"] = [llm.generate([p], sp)[0] for p in ps]
 from hypic.layers import linear as lin
+from hypic.runtime import compose_graph as cg
+cg.COPY_BY_ADDRESS = True                      # the fill's packing through the copy kernel (default: torch.cat)
 for factored in (False, True):                 # the runs' transitions dense [S | T] (default) or factored
     lin.RUN_FACTORS = factored
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)

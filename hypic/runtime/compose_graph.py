@@ -57,8 +57,10 @@ MAX_RUN = 256           # longest run the lowering takes (longer: the planned wa
 SUB_RUN = 16            # the pieces a run is cut into (one map more in the chain per piece)
 MAX_TOKENS = 2048       # most active tokens
 _NEVER = 1 << 62        # the mask position of a key no query may see
-COPY_BY_ADDRESS = True  # the fill's packing in one launch (ops/triton_copy.py) where Triton runs; False: torch.cat
-                        # per layer (gpu_bench's side-by-side variant `fill_by_cat`)
+# the fill's packing in one launch per graph piece (ops/triton_copy.py) where Triton runs; False: torch.cat per layer.
+# Off: with the fill staged per piece, only the first piece's fill delays the GPU, and torch.cat was 0.2-0.3 ms
+# faster end to end in both interleaved runs (H200 runs 34, 35); kept as gpu_bench's variant `fill_by_address`
+COPY_BY_ADDRESS = False
 
 
 @dataclass(frozen=True)
