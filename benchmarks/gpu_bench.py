@@ -197,7 +197,7 @@ def quick(llm, args, ids, ttft, res):
     (Path(args.out) / "gpu_bench_quick.json").write_text(json.dumps(res, indent=1, default=str))
 
 
-def decode_bench(llm, prompts, steps: int, batches=(1, 8)):
+def decode_bench(llm, prompts, steps: int, batches=(1, 8), prof: bool = False):
     """Per-token decode latency after warm pic prefills of long prompts: the dynamic step (a planned
     batch per step) against the CUDA-graph step (fixed buffers, one replay), side by side."""
     from hypic.runtime.decode import StaticDecoder
@@ -226,6 +226,8 @@ def decode_bench(llm, prompts, steps: int, batches=(1, 8)):
                 step()
             sync()
             per = (time.perf_counter() - t0) / steps
+            if prof and mode == "graph" and b == batches[0]:
+                out[f"timeline_step_batch_{b}"] = profile(f"decode step, batch {b} (graph)", step)
             first[mode] = reqs[0].logits[1]
             for r in reqs:
                 eng.finish(r)
@@ -613,7 +615,7 @@ def main():
         random.Random(200 + r).shuffle(order)
         dprompts.append(Prompt(segments=[segs[i] for i in order], query=query))
     try:
-        res["decode"] = decode_bench(llm, dprompts, args.decode_steps)
+        res["decode"] = decode_bench(llm, dprompts, args.decode_steps, prof=args.profile)
     except Exception as e:  # report and go on: one device call should say as much as it can
         import traceback
 
@@ -651,7 +653,7 @@ def main():
         print(f"| pic (interleaved default, later in the run) vs roofline floor | {d_int * 1e3:.1f} ms | floor "
               f"{floor * 1e3:.1f} ms | {d_int / floor:.2f}x | <= 3x |")
     for b, e in res["decode"].items():
-        if isinstance(e, dict):
+        if isinstance(e, dict) and "graph_s" in e:
             print(f"| decode step, batch {b}, {ctx}-token context | graph {e['graph_s'] * 1e3:.2f} ms | "
                   f"dynamic {e['dynamic_s'] * 1e3:.2f} ms | {e['speedup']:.1f}x | |")
     for n, e in over.items():

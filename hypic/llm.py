@@ -12,6 +12,7 @@ from .config import CacheMode, CachePolicy, EngineConfig
 from .errors import InvalidRequestError
 from .models.loader import load_model
 from .runtime.engine import Engine, Request
+from .runtime.trace import span
 from .segment.spans import tokenize_prompt
 from .types import Prompt, RequestOutput, SamplingParams
 
@@ -98,7 +99,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        return self.engine.generate(self.make_requests(prompts, sampling_params))
+        with span("llm.make_requests"):
+            reqs = self.make_requests(prompts, sampling_params)
+        return self.engine.generate(reqs)
 
     def next_token_logits(self, prompt: Prompt) -> torch.Tensor:
         """fp32 logits [vocab] after the last query token, under the current cache mode."""

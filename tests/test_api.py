@@ -176,3 +176,21 @@ def test_cached_tensors_own_their_memory(preset):
         for part in layers.values():
             for name, t in part.tensors():
                 assert t.untyped_storage().nbytes() == t.element_size() * t.nelement(), (type(value).__name__, name)
+
+
+def test_segment_digests_made_while_validating_equal_the_plain_digest(tiny):
+    """The digests the validation makes from its array (one conversion of the ids per span) equal
+    tokens_digest's, also for a span given as a tuple, for ids 0 and 1 and near the vocabulary's end; the
+    planner keys segments by them."""
+    from hypic.segment.spans import tokenize_prompt, tokens_digest
+
+    v = tiny.engine.cfg.vocab_size
+    segs = [[0, 1, 5, v - 1], tuple(range(2, 40)), [7] * 9]
+    tp = tokenize_prompt(Prompt(prefix=[3, 4], segments=segs, query=[1, 2]), None, vocab_size=v, max_len=10_000,
+                         max_segments=8, default_namespace="ns")
+    assert len(tp.known_digests) == 5
+    for span in tp.spans:
+        assert tp.digest(span) == tokens_digest(span) == tokens_digest(list(span))
+    plan = tiny.engine.planner.plan(tp, tiny.policy)
+    keys = [s.key.tokens for s in plan.slots if s.key is not None]      # (a segment within the seam has none)
+    assert keys == [tokens_digest(s) for s in segs if len(s) > tiny.policy.seam] and len(keys) >= 2

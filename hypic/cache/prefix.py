@@ -17,10 +17,11 @@ class PrefixCache:
         self.store = MemoryStore(capacity_bytes)
         self.model = model_fingerprint
 
-    def chain_keys(self, namespace: str, spans: Sequence[Sequence[int]]) -> list[str]:
+    def chain_keys(self, namespace: str, spans: Sequence[Sequence[int]], digest=tokens_digest) -> list[str]:
+        """digest: a span's tokens_digest (the request's memo of them, where it has one)."""
         keys, parent = [], f"{self.model}|{namespace}"
         for span in spans:
-            parent = hashlib.sha256(f"{parent}|{tokens_digest(span)}".encode()).hexdigest()
+            parent = hashlib.sha256(f"{parent}|{digest(span)}".encode()).hexdigest()
             keys.append(parent)
         return keys
 

@@ -71,19 +71,19 @@ class Planner:
         self.segments = segments
         self.prefix = prefix
 
-    def segment_key(self, tokens, seam: int, namespace: str) -> SegmentKey:
-        return SegmentKey(self.fingerprint, namespace, tokens_digest(tokens), seam)
+    def segment_key(self, tokens, seam: int, namespace: str, digest: str | None = None) -> SegmentKey:
+        return SegmentKey(self.fingerprint, namespace, digest or tokens_digest(tokens), seam)
 
     def plan(self, tp: TokenizedPrompt, policy: CachePolicy) -> PrefillPlan:
         plan = PrefillPlan(tp, policy)
         if policy.mode is CacheMode.FULL:
             return plan
-        plan.boundary_keys = self.prefix.chain_keys(tp.namespace, plan.boundary_spans)
+        plan.boundary_keys = self.prefix.chain_keys(tp.namespace, plan.boundary_spans, tp.digest)
         plan.matched = self.prefix.match(plan.boundary_keys)
         if policy.uses_segments:
             for seg in tp.segments:
                 w = min(policy.seam, len(seg))
-                key = self.segment_key(seg, policy.seam, tp.namespace) if w < len(seg) else None
+                key = self.segment_key(seg, policy.seam, tp.namespace, tp.digest(seg)) if w < len(seg) else None
                 slot = SegmentSlot(seg, w, key)
                 if key is not None:
                     slot.entry = self.segments.get(key)
