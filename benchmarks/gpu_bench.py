@@ -98,7 +98,7 @@ def timeline(pr, name: str) -> dict:
     # device events: kernels, copies, memsets (the spans' own GPU-side annotations, which cover the kernels
     # launched inside them, are not work)
     dev = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs
-                 if e.device_type != DeviceType.CPU and not e.name.startswith(("engine.", "compose.")))
+                 if e.device_type != DeviceType.CPU and not e.name.startswith(("engine.", "compose.", "llm.")))
     cpu = [e for e in evs if e.device_type == DeviceType.CPU]
     if not cpu:
         return {}
@@ -137,7 +137,7 @@ def timeline(pr, name: str) -> dict:
         for g, a, b in sorted(gaps, reverse=True)[:8]:
             print(f"  gap {g:8.1f} us after {a[:50]} before {b[:50]}")
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in cpu
-                   if e.name.startswith(("engine.", "compose.")))
+                   if e.name.startswith(("engine.", "compose.", "llm.")))
     out["spans"] = []
     for a, b, n in spans:
         g = busy_in(a, b)
