@@ -299,8 +299,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     # graph captured under its setting), then the requests alternate between the default and the
     # variants, round by round in rotating order, so a drift of the machine touches all alike. Variants:
     # the runs' transitions factored in the chain scan (runs 27-32) instead of dense; the MoE's grouped GEMMs
-    # instead of the few-rows kernel (before run 33); the scan step's loads in the order of use (before run
-    # 30); the fill as torch.cat per layer (before run 32); with --all-variants the runs' outputs corrected
+    # instead of the few-rows kernel (before run 33); the fill by a copy kernel (runs 32-35); other numbers of
+    # graph pieces; with --all-variants the runs' outputs corrected
     # after the scan instead of inside it, and the graph in 4 pieces (run 19 also timed seam runs fused
     # with the segment after them: 68.2 against 64.7 ms, removed)
     from hypic.layers import linear as _linear
@@ -320,9 +320,6 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     variants = [("default", (lambda: None, lambda: None), {}),
                 ("runs_T_factored", flag(_linear, "RUN_FACTORS", True), {}),          # the default of runs 27-32
                 ("moe_grouped_mm", flag(_fast, "MOE_FEW_ROWS", False), {})]           # before run 33
-    if _ts is not None:
-        variants.append(("scan_loads_in_use_order", flag(_ts, "LOADS_FIRST", False), {}))
-        variants.append(("scan_strides_per_element", flag(_ts, "BRANCH_LOADS", False), {}))   # before run 35
     from hypic.runtime import compose_graph as _cg
 
     variants.append(("fill_by_address", flag(_cg, "COPY_BY_ADDRESS", True), {}))   # runs 32-35

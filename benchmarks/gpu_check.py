@@ -383,33 +383,13 @@ def check_scan(dev):
     triton_scan.scan_steps(init2, st_f, cu2, S_r, 46, outputs=full_f, max_run=16, factors=F_r)
     row("Triton scan + fused correction, runs' T factored vs dense: outputs", rel(full_f, full_d), 2e-2)
     outs_d, outs_f = torch.cat([o_d, u_d], -1), torch.cat([o_f, u_f], -1)
-    # the step's loads in the order of use (before run 30) against all issued before the products: the same
-    # arithmetic, so the same outputs and states
-    kinds = {}
-    for first in (True, False):
-        triton_scan.LOADS_FIRST = first
-        try:
-            o_x = outs_f.clone()
-            _, f_x = triton_scan.scan_steps(init2, st_f, cu2, S_r, 46, outputs=o_x, max_run=16, factors=F_r)
-            ck = triton_scan.COMPILED.get("steps")
-            kinds[first] = (o_x, f_x, getattr(ck, "n_regs", None), getattr(ck, "n_spills", None))
-        finally:
-            triton_scan.LOADS_FIRST = True
-    row("Triton scan + fused correction, loads first vs in order of use: outputs", rel(kinds[True][0], kinds[False][0]),
-        1e-6)
-    row("Triton scan + fused correction, loads first vs in order of use: final state", rel(kinds[True][1], kinds[False][1]),
-        1e-6)
-    print(f"   scan kernel (factored, corrected) registers / spills: loads first {kinds[True][2]} / {kinds[True][3]}, "
-          f"in order of use {kinds[False][2]} / {kinds[False][3]}")
+    regs0 = {}
+    for name, (st_x, maps, fx, o_x) in (("dense runs", (st_d, aug, None, outs_d)), ("factored runs", (st_f, S_r, F_r, outs_f))):
+        triton_scan.scan_steps(init2, st_x, cu2, maps, 46, outputs=o_x.clone(), max_run=16, factors=fx)
+        ck = triton_scan.COMPILED.get("steps")
+        regs0[name] = (getattr(ck, "n_regs", None), getattr(ck, "n_spills", None))
+    print(f"   scan kernel (corrected) registers / spills: {regs0}")
 
-    def in_use_order(fn):
-        def run():
-            triton_scan.LOADS_FIRST = False
-            try:
-                return fn()
-            finally:
-                triton_scan.LOADS_FIRST = True
-        return run
     timed_fns = {
         "real runs, dense T: summary": lambda: triton_summary.chunk_summary(
             q, k, v, gate, beta, cu_r, 16, use_qk_l2norm_in_kernel=True),
@@ -424,10 +404,6 @@ def check_scan(dev):
             init2, st_d, cu2, aug, 46, outputs=outs_d.clone(), max_run=16),
         "real runs, factored T: scan + correction": lambda: triton_scan.scan_steps(
             init2, st_f, cu2, S_r, 46, outputs=outs_f.clone(), max_run=16, factors=F_r)}
-    timed_fns["real runs, dense T: scan + correction, loads in order of use (before run 30)"] = in_use_order(
-        timed_fns["real runs, dense T: scan + correction"])
-    timed_fns["real runs, factored T: scan + correction, loads in order of use (before run 30)"] = in_use_order(
-        timed_fns["real runs, factored T: scan + correction"])
     for bv, w, st in triton_scan._CONFIGS:
         timed_fns[f"real runs, factored T: scan + correction bv={bv} warps={w} stages={st}"] = (
             lambda bv=bv, w=w, st=st: triton_scan.scan_steps(init2, st_f, cu2, S_r, 46, outputs=outs_f.clone(),

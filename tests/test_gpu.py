@@ -379,12 +379,9 @@ steps6 = torch.tensor([r + ([(r[3] - E) * run_len, run_len] if r[2] else [0, 0])
 outs = torch.randn(N * run_len, H, V + K)
 want = outs[..., :V].double() + torch.einsum("nhk,nhkv->nhv", outs[..., V:].double(),
                                              b0[E:].double().repeat_interleave(run_len, 0))
-for first in (True, False):                    # a step's loads issued before its products, or in order of use
-    triton_scan.LOADS_FIRST = first
-    got = outs.clone()
-    triton_scan.scan_steps(init, steps6, cu, runs, E + N, outputs=got, max_run=run_len)
-    assert rel(got[..., :V], want) < 1e-6, first
-triton_scan.LOADS_FIRST = True
+got = outs.clone()
+triton_scan.scan_steps(init, steps6, cu, runs, E + N, outputs=got, max_run=run_len)
+assert rel(got[..., :V], want) < 1e-6
 from hypic.ops import triton_attention
 from hypic.ops.reference import position_attention
 for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):
@@ -441,30 +438,27 @@ rows_f = [[T_f[m].data_ptr(), S_f[m].data_ptr(), 0, m] if m < 2 else
 cu_f = torch.tensor([0, 5, 6], dtype=torch.int32)
 b0, f0 = sc.scan_dense_reference(init_f.double(), torch.stack(T_f).double(), torch.stack(S_f).double(), cu_f,
                                  order_f, factors_to_dense(S_r, F_r).double())
-for first in (True, False):
-    triton_scan.LOADS_FIRST = first
-    b1, f1 = triton_scan.scan_steps(init_f, torch.tensor(rows_f, dtype=torch.int64), cu_f, S_r, 2 + nr, factors=F_r)
-    assert rel(f1, f0) < 1e-6 and rel(b1[2:], b0[2:]) < 1e-6, first
-    # with the readout correction fused: runs' outputs corrected by their true initial states
-    lens_f = [lens[m - 2] for m in order_f if m >= 2]
-    t0s, acc = {}, 0
-    for m in order_f:
-        if m >= 2:
-            t0s[m] = acc
-            acc += lens[m - 2]
-    rows6 = [r + ([t0s[m], lens[m - 2]] if m >= 2 else [0, 0]) for r, m in zip(rows_f, order_f)]
-    outs_f = torch.randn(acc, hv, dv + dk)
-    want_f = outs_f[..., :dv].double().clone()
-    for m in order_f:
-        if m >= 2:
-            a = t0s[m]
-            want_f[a:a + lens[m - 2]] += torch.einsum("nhk,hkv->nhv", outs_f[a:a + lens[m - 2], :, dv:].double(),
-                                                      b0[m].double())
-    got_f = outs_f.clone()
-    triton_scan.scan_steps(init_f, torch.tensor(rows6, dtype=torch.int64), cu_f, S_r, 2 + nr, outputs=got_f,
-                           max_run=max(lens), factors=F_r)
-    assert rel(got_f[..., :dv], want_f) < 1e-6, first
-triton_scan.LOADS_FIRST = True
+b1, f1 = triton_scan.scan_steps(init_f, torch.tensor(rows_f, dtype=torch.int64), cu_f, S_r, 2 + nr, factors=F_r)
+assert rel(f1, f0) < 1e-6 and rel(b1[2:], b0[2:]) < 1e-6
+# with the readout correction fused: runs' outputs corrected by their true initial states
+lens_f = [lens[m - 2] for m in order_f if m >= 2]
+t0s, acc = {}, 0
+for m in order_f:
+    if m >= 2:
+        t0s[m] = acc
+        acc += lens[m - 2]
+rows6 = [r + ([t0s[m], lens[m - 2]] if m >= 2 else [0, 0]) for r, m in zip(rows_f, order_f)]
+outs_f = torch.randn(acc, hv, dv + dk)
+want_f = outs_f[..., :dv].double().clone()
+for m in order_f:
+    if m >= 2:
+        a = t0s[m]
+        want_f[a:a + lens[m - 2]] += torch.einsum("nhk,hkv->nhv", outs_f[a:a + lens[m - 2], :, dv:].double(),
+                                                  b0[m].double())
+got_f = outs_f.clone()
+triton_scan.scan_steps(init_f, torch.tensor(rows6, dtype=torch.int64), cu_f, S_r, 2 + nr, outputs=got_f,
+                       max_run=max(lens), factors=F_r)
+assert rel(got_f[..., :dv], want_f) < 1e-6
 from hypic.ops.triton_copy import copy_blocks          # blocks copied by address, one launch
 import numpy as np
 srcs = [torch.randn(n, 8) for n in (3, 40, 1)]

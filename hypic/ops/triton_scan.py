@@ -95,29 +95,14 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
 
 
 @triton.jit
-def _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr):
+def _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K: tl.constexpr,
+               V: tl.constexpr, EVEN: tl.constexpr):
     """A step's dense T [K, K] and S block [K, BV]: a cached map's own (T [H, K, K], S [H, K, V] at addresses
-    tv, sv), or a run's [S | T] rows [H, K, V + K] at byte offsets tv, sv from base."""
-    tp = (tv + base).to(tl.pointer_type(tl.float32))
-    sp = (sv + base).to(tl.pointer_type(tl.float32))
-    rs_t = tl.where(is_run, V + K, K)
-    hs_t = tl.where(is_run, K * (V + K), K * K)
-    c_t = tl.where(is_run, V, 0)
-    rs_s = tl.where(is_run, V + K, V)
-    hs_s = tl.where(is_run, K * (V + K), K * V)
-    t = tl.load(tp + h * hs_t + rk[:, None] * rs_t + rk[None, :] + c_t, mask=m_kk, other=0.0)
-    s = tl.load(sp + h * hs_s + rk[:, None] * rs_s + rv[None, :], mask=m_kv, other=0.0)
-    return t, s
-
-
-@triton.jit
-def _dense_map_branched(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K: tl.constexpr,
-                        V: tl.constexpr, EVEN: tl.constexpr):
-    """`_dense_map` with a uniform branch on the map's kind instead of per-element strides chosen at run time:
-    each branch reads with constant strides from offsets made once per program (off_kk, off_kv: a cached
-    map's T [K, K] and S block; off_at, off_as: a run's [S | T] rows of V + K), so a load costs one add per
-    element instead of a multiply and two adds (run 34's profile: the integer pipe was the busiest). EVEN:
-    the blocks cover K and V exactly (no masks)."""
+    tv, sv), or a run's [S | T] rows [H, K, V + K] at byte offsets tv, sv from a_addr. A uniform branch on the
+    map's kind, each side reading with constant strides from offsets made once per program (off_kk, off_kv;
+    off_at, off_as), so a load costs one add per element (H200 runs 35-36: 0.7 ms faster on the warm request
+    than strides chosen per element at run time; run 34's profile had the integer pipe the busiest). EVEN: the
+    blocks cover K and V exactly (no masks)."""
     if is_run:
         tp = (tv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
         sp = (sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
@@ -156,63 +141,18 @@ def _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K: tl.constexpr, V:
 @triton.jit
 def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk, off_at,
                 off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
-                CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr,
-                BRANCH: tl.constexpr, EVEN: tl.constexpr):
+                CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr):
     """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
     S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
     a_addr) at that byte offset; with FACTORS its S [H, K, V] lies there and its transition's factors
     [H, 2 BF + 1, K] (Kd, W, gamma: T = gamma I - Kd^T W) at the first offset from f_addr, and the step is
     x <- gamma x - Kd^T (W x) + S. Without CORRECT, before[slot] <- x for runs; with it, the run's
     tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's [N, H, V + K]
-    outputs, u_t its last K columns), x being the run's true initial state. Loads in the order of use: on a
-    run's step the correction's u, its product, o, then S and T, so the step waits for memory up to four
-    times (`_chain_step_loads_first` waits once)."""
-    row = steps + j.to(tl.int64) * W
-    tv = tl.load(row)
-    sv = tl.load(row + 1)
-    is_run = tl.load(row + 2) != 0
-    if CORRECT:
-        uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
-        u = tl.load(uptr, mask=mu, other=0.0)
-        corr = tl.dot(u.to(tl.float32), x, input_precision=PREC)                     # [BT, BV]
-        o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
-        tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mo)
-    else:
-        slot = tl.load(row + 3)
-        tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
-    base = tl.where(is_run, a_addr, 0)
-    if FACTORS:
-        sp = (sv + base).to(tl.pointer_type(tl.float32))
-        s = tl.load(sp + h * (K * V) + rk[:, None] * V + rv[None, :], mask=m_kv, other=0.0)
-        if is_run:
-            fp = (tv + f_addr).to(tl.pointer_type(tl.float32)) + h * ((2 * BF + 1) * K)
-            rf = tl.arange(0, BF)
-            mf = (rf < BF)[:, None] & (rk < K)[None, :]
-            kd = tl.load(fp + rf[:, None] * K + rk[None, :], mask=mf, other=0.0)
-            wf = tl.load(fp + (BF + rf)[:, None] * K + rk[None, :], mask=mf, other=0.0)
-            gam = tl.load(fp + 2 * BF * K)
-            y = tl.dot(wf, x, input_precision=PREC)                                    # [BF, BV]
-            xn = gam * x - tl.dot(tl.trans(kd), y, input_precision=PREC) + s
-        else:
-            tp = tv.to(tl.pointer_type(tl.float32))
-            t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk, other=0.0)
-            xn = tl.dot(t, x, input_precision=PREC) + s
-        return xn
-    if BRANCH:
-        t, s = _dense_map_branched(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
-    else:
-        t, s = _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K, V)
-    return tl.dot(t, x, input_precision=PREC) + s
-
-
-@triton.jit
-def _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk,
-                            off_kk, off_at, off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                            PREC: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
-                            FACTORS: tl.constexpr, BF: tl.constexpr, BRANCH: tl.constexpr, EVEN: tl.constexpr):
-    """`_chain_step` with the step's loads (S; T or its factors; the correction's u and o) issued together
-    before any product: a loaded value is used only after the last load is issued. A masked load whose mask
-    is off reads nothing, so the map kind the step does not have costs no memory traffic."""
+    outputs, u_t its last K columns), x being the run's true initial state.
+    The step's loads (S; T or its factors; the correction's u and o) are issued together before any product:
+    a loaded value is used only after the last load is issued (H200 runs 33-36: 1.2 ms faster on the warm
+    request than loads in the order of use, with dense runs). A masked load whose mask is off reads nothing,
+    so the map kind the step does not have costs no memory traffic."""
     row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
@@ -229,10 +169,8 @@ def _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh,
         gam = tl.load(fp + 2 * BF * K, mask=is_run, other=0.0)
         tp = tv.to(tl.pointer_type(tl.float32))
         t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
-    elif BRANCH:
-        t, s = _dense_map_branched(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
     else:
-        t, s = _dense_map(tv, sv, is_run, base, h, rk, rv, m_kv, m_kk, K, V)
+        t, s = _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
     if CORRECT:
         uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
         u = tl.load(uptr, mask=mu, other=0.0)
@@ -254,26 +192,10 @@ def _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh,
 
 
 @triton.jit
-def _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk, off_at, off_as,
-             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
-             CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr,
-             LOADS_FIRST: tl.constexpr, BRANCH: tl.constexpr, EVEN: tl.constexpr):
-    if LOADS_FIRST:
-        xn = _chain_step_loads_first(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv,
-                                     m_kk, off_kk, off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF,
-                                     BRANCH, EVEN)
-    else:
-        xn = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
-                         off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, BRANCH, EVEN)
-    return xn
-
-
-@triton.jit
 def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                        STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
-                       FACTORS: tl.constexpr, BF: tl.constexpr, LOADS_FIRST: tl.constexpr, BRANCH: tl.constexpr,
-                       EVEN: tl.constexpr):
+                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -284,7 +206,7 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
     m_kv = mk[:, None] & mv[None, :]
     m_kk = mk[:, None] & mk[None, :]
     off_kv = rk[:, None] * V + rv[None, :]
-    off_kk = rk[:, None] * K + rk[None, :]                       # (BRANCH: the offsets made once, here)
+    off_kk = rk[:, None] * K + rk[None, :]                       # the dense maps' offsets, made once
     off_at = rk[:, None] * (V + K) + V + rk[None, :]
     off_as = rk[:, None] * (V + K) + rv[None, :]
     x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
@@ -292,23 +214,17 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
     j1 = tl.load(cu + r + 1)
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            x = _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
-                         off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, LOADS_FIRST, BRANCH, EVEN)
+            x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN)
     else:
         j = j0
         while j < j1:
-            x = _step_of(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
-                         off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, LOADS_FIRST, BRANCH, EVEN)
+            x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN)
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
 
-# the step-table scan issues a step's loads before its products (`_chain_step_loads_first`); False: in the
-# order of use (`_chain_step`, before run 30), kept for gpu_bench's side-by-side variant
-LOADS_FIRST = True
-# a step's dense map read with constant strides under a uniform branch on its kind (`_dense_map_branched`); False:
-# strides picked per element at run time (`_dense_map`, before run 35), kept for gpu_bench's side-by-side variant
-BRANCH_LOADS = True
 COMPILED: dict = {}          # the last launched compiled kernel per kind ("steps"): its n_regs / n_spills for gpu_check
 
 _SMS: dict = {}
@@ -455,7 +371,7 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
             init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
             STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
-            LOADS_FIRST=LOADS_FIRST, BRANCH=BRANCH_LOADS, EVEN=bk == k and v % b == 0, num_warps=w)
+            EVEN=bk == k and v % b == 0, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
     form = "steps" if factors is None else "steps+factors"
