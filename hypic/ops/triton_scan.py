@@ -15,7 +15,9 @@ Triton can pipeline the next map's loads behind this map's products (`stages`).
 `scan_steps` is the compose pass's form: a table names each step's T and S by address (a cached
 segment's own tensors where the cache keeps them; a run's at its offset in the runs' buffer), so no
 map is copied and the loop reads no slot order (H200 run 13: the address-table-through-`order` form
-cost 0.28 ms per layer against 0.17 ms for stacked maps). A short run's transition may come factored,
+cost 0.28 ms per layer against 0.17 ms for stacked maps). A step issues all its loads before its
+products, and reads a dense map with constant strides under a uniform branch on its kind. A short run's
+transition may come factored (layers/linear.py RUN_FACTORS, off by default since run 33),
 T = gamma I - Kd^T W with Kd, W of w <= 64 rows (ops/reference/gated_delta.py `run_factors`): its step
 is then x <- gamma x - Kd^T (W x) + S, two [w x K] products instead of a dense [K x K] one, reading
 2 w K floats instead of K^2 (the warm pic request: 24 of its 44 steps per layer are such runs).
