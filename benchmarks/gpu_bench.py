@@ -327,6 +327,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     # whole fill, then one launch, as before run 34)
     nop = (lambda: None, lambda: None)
     variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (1, 4, 16) if p != comp.pieces]
+    variants += [(f"first_piece_{f}_layers", nop, {"first": f}) for f in (1, 2) if f != comp.first_piece]
     if args.all_variants:
         variants += [("correction_after_scan", flag(_linear, "FUSE_CORRECTION", False), {})]
     tuned = _ts.TUNED if _ts is not None else {}
@@ -336,7 +337,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     model = llm.engine.model
     for name, (setup, undo), kw in variants:
         c = comp if name == "default" else GraphCompose(model, comp.device, comp.dtype, graphs=comp.graphs,
-                                                         pieces=kw.get("pieces", comp.pieces))
+                                                         pieces=kw.get("pieces", comp.pieces),
+                                                         first_piece=kw.get("first", comp.first_piece))
         setup()
         llm.engine.composer = c
         try:

@@ -598,6 +598,8 @@ class EngineConfig:
                                        # each piece's buffers filled just before its launch (the GPU starts on
                                        # the first while the host fills and launches the rest); H200 runs 34-35,
                                        # paired per round against 4 pieces: 1 piece +2.1 ms, 2 +0.7, 8 -0.3
+    compose_first_piece: int = 0       # layers in the first of those pieces (0: equal pieces); a short first piece
+                                       # lets the GPU start after a shorter fill and launch (not measured yet)
 
     def __post_init__(self):
         if self.decode not in ("auto", "dynamic", "static", "graph"):
@@ -606,6 +608,8 @@ class EngineConfig:
             raise ConfigError(f"unknown compose {self.compose!r}; use 'auto', 'eager', 'static' or 'graph'")
         if self.compose_pieces < 1:
             raise ConfigError(f"compose_pieces must be >= 1, got {self.compose_pieces}")
+        if self.compose_first_piece < 0:
+            raise ConfigError(f"compose_first_piece must be >= 0, got {self.compose_first_piece}")
         if self.walk not in ("phased", "rounds"):
             raise ConfigError(f"unknown walk {self.walk!r}; use 'phased' or 'rounds'")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):

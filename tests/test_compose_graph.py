@@ -168,12 +168,18 @@ def test_graph_pieces_cover_every_layer_once():
     from hypic.config import ConfigError, EngineConfig
     from hypic.runtime.graphs import cuts
 
-    for n, p in ((40, 1), (40, 4), (40, 3), (8, 8), (3, 5)):
-        b = cuts(n, p)
+    for n, p, first in ((40, 1, 0), (40, 4, 0), (40, 3, 0), (8, 8, 0), (3, 5, 0), (40, 8, 1), (40, 4, 2), (40, 1, 3),
+                        (8, 8, 2), (5, 3, 4), (40, 2, 39)):
+        b = cuts(n, p, first)
         assert b[0] == 0 and b[-1] == n and len(b) == min(p, n) + 1
         assert all(x < y for x, y in zip(b, b[1:]))
+        if first and 1 < p <= n and first <= n - (p - 1):
+            assert b[1] == first
+    assert cuts(40, 8, 1) == [0, 1, 7, 12, 18, 23, 29, 34, 40]
     with pytest.raises(ConfigError):
         EngineConfig(compose_pieces=0)
+    with pytest.raises(ConfigError):
+        EngineConfig(compose_first_piece=-1)
 
 
 def test_state_made_after_the_first_token_only_for_requests_that_go_on(hf_checkpoints, monkeypatch):

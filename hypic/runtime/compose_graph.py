@@ -350,9 +350,10 @@ class GraphCompose:
     same buffers run eagerly."""
 
     def __init__(self, model, device, dtype, *, graphs: bool, max_shapes: int = 2, capture_after: int = 2,
-                 pieces: int = 1):
+                 pieces: int = 1, first_piece: int = 0):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.pieces = pieces                         # graphs per shape (graphs.capture_forward)
+        self.first_piece = first_piece               # layers in the first of them (0: equal pieces)
         self.graphs = graphs and self.device.type == "cuda"
         self.max_shapes = max_shapes
         # with graphs, a shape gets buffers and a graph on its capture_after-th request (a capture costs
@@ -409,7 +410,7 @@ class GraphCompose:
         bufs = hit[0]
         batch = bufs.batch()
         try:
-            graph, logits, pinned = capture_forward(self.model, batch, self.device, self.pieces)
+            graph, logits, pinned = capture_forward(self.model, batch, self.device, self.pieces, self.first_piece)
             hit[1], hit[2], hit[3] = graph, logits, [pinned, dict(bufs.outputs), batch.scratch]
             self.captures += 1
         except Exception as e:  # an op that cannot be captured: the same buffers, eagerly

@@ -66,7 +66,7 @@ class Engine:
         cmode = config.compose_mode
         self.composer = None if cmode == "eager" else GraphCompose(
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=cmode == "graph",
-            pieces=config.compose_pieces)
+            pieces=config.compose_pieces, first_piece=config.compose_first_piece)
 
     # -- stage 1: plan -------------------------------------------------------------------------
     def _plan(self, reqs: list[Request]) -> list[PrefillPlan]:

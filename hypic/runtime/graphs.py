@@ -23,16 +23,21 @@ class Captured:
             g.replay()
 
 
-def cuts(n_layers: int, pieces: int) -> list[int]:
-    """Layer boundaries of `pieces` consecutive parts of nearly equal size (at least one layer each)."""
+def cuts(n_layers: int, pieces: int, first: int = 0) -> list[int]:
+    """Layer boundaries of `pieces` consecutive parts (at least one layer each): of nearly equal size, or with
+    first > 0 a first part of that many layers and the rest split evenly (a short first piece is filled and
+    launched sooner, so the GPU starts sooner; the later pieces are filled while it runs)."""
     pieces = max(1, min(pieces, n_layers))
-    return [round(i * n_layers / pieces) for i in range(pieces + 1)]
+    if first <= 0 or pieces == 1 or first >= n_layers - (pieces - 2):
+        return [round(i * n_layers / pieces) for i in range(pieces + 1)]
+    rest = cuts(n_layers - first, pieces - 1)
+    return [0] + [first + b for b in rest]
 
 
-def capture_forward(model, batch, device, pieces: int = 1):
+def capture_forward(model, batch, device, pieces: int = 1, first: int = 0):
     """Warm up on a side stream (Triton autotuning and compilation, lazy tables, workspaces), then capture
     one forward of `batch`: as one CUDA graph, or (pieces > 1) as that many graphs over consecutive
-    layers, sharing one memory pool (replayed in capture order, as `Captured` does). Returns (Captured,
+    layers (`cuts`; first: the first piece's layers), sharing one memory pool (replayed in capture order, as `Captured` does). Returns (Captured,
     its output, pinned): pinned holds the layout tensors the captured kernels read by address (the
     caller keeps them alive with the graphs). Raises whatever the capture raises (an op that cannot be
     captured)."""
@@ -47,7 +52,7 @@ def capture_forward(model, batch, device, pieces: int = 1):
     torch.cuda.current_stream(device).wait_stream(side)
     batch.scratch.clear()
     layers = model.model.layers
-    bounds = cuts(len(layers), pieces)
+    bounds = cuts(len(layers), pieces, first)
     graphs, pool, h, out = [], None, None, None
     with torch.inference_mode():
         for i in range(len(bounds) - 1):
