@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import tuned_config
+
 
 @triton.jit
 def _rows(order, m0, r1, BM: tl.constexpr, TOPK: tl.constexpr):
@@ -35,15 +37,21 @@ def _rows(order, m0, r1, BM: tl.constexpr, TOPK: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr, I: tl.constexpr,
-                    TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                    PREC: tl.constexpr):
+def _expert_tile(offs, BN: tl.constexpr, N: tl.constexpr):
+    """Program (expert e, column block nb): its rows r0..r1-1 of the sorted layout, its columns and their mask."""
     e = tl.program_id(0)
     nb = tl.program_id(1)
     r1 = tl.load(offs + e)
     r0 = tl.load(offs + e - 1, mask=e > 0, other=0)
     rn = nb * BN + tl.arange(0, BN)
-    mn = rn < I
+    return e, r0, r1, rn, rn < N
+
+
+@triton.jit
+def _gate_up_kernel(x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr, I: tl.constexpr,
+                    TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                    PREC: tl.constexpr):
+    e, r0, r1, rn, mn = _expert_tile(offs, BN, I)
     rk = tl.arange(0, BK)
     wg = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :]       # gate rows
     wu = wg + I * s_wn                                                                 # up rows
@@ -70,12 +78,7 @@ def _gate_up_kernel(x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr,
 def _down_kernel(h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H: tl.constexpr, I: tl.constexpr,
                  TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                  PREC: tl.constexpr):
-    e = tl.program_id(0)
-    nb = tl.program_id(1)
-    r1 = tl.load(offs + e)
-    r0 = tl.load(offs + e - 1, mask=e > 0, other=0)
-    rn = nb * BN + tl.arange(0, BN)
-    mn = rn < H
+    e, r0, r1, rn, mn = _expert_tile(offs, BN, H)
     rk = tl.arange(0, BK)
     wp = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :]       # down rows [BN, BK]
     m0 = r0
@@ -106,36 +109,9 @@ TUNED: dict = {}                 # (kernel, shape key) -> (config, {config: ms})
 
 
 def _tuned(key, device, launch, out, kind: str):
-    """The fastest configuration for this shape (timed once, eagerly); a configuration whose result differs
-    from the first one's by more than 1e-2 relative (a broken build, not rounding) is never chosen."""
-    hit = TUNED.get(key)
-    if hit is not None:
-        return hit[0]
-    configs = _CONFIGS[kind]
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return configs[0]
-    times, first = {}, None
-    for cfg in configs:
-        try:
-            launch(cfg)
-            if first is None:
-                first = out.float().clone()
-            elif float((out.float() - first).norm()) > 1e-2 * float(first.norm()) + 1e-30:
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(3):
-                launch(cfg)
-            b.record()
-            b.synchronize()
-            times[cfg] = a.elapsed_time(b) / 3
-        except Exception:  # a configuration this GPU / Triton cannot build: skipped
-            continue
-    if not times:
-        return configs[0]
-    best = min(times, key=times.get)
-    TUNED[key] = (best, times)
-    return best
+    """The fastest configuration of `kind` for this shape (ops/tuning.py); 1e-2 relative tells a broken build
+    from bf16 rounding."""
+    return tuned_config(TUNED, key, _CONFIGS[kind], device, launch, out, _CONFIGS[kind][0], 1e-2)
 
 
 def _bucket(rows: int) -> int:

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import tuned_config
+
 
 @triton.jit
 def _step(x, j, init, T, S, A, before, order, E, h, off_kv, off_kk, off_a_s, off_a_t, m_kv, m_kk,
@@ -108,22 +110,22 @@ def _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, 
     if is_run:
         tp = (tv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
         sp = (sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
-        if EVEN:
-            t = tl.load(tp + off_at)
-            s = tl.load(sp + off_as)
-        else:
-            t = tl.load(tp + off_at, mask=m_kk, other=0.0)
-            s = tl.load(sp + off_as, mask=m_kv, other=0.0)
+        t = _load_block(tp + off_at, m_kk, EVEN)
+        s = _load_block(sp + off_as, m_kv, EVEN)
     else:
         tp = tv.to(tl.pointer_type(tl.float32)) + h * (K * K)
         sp = sv.to(tl.pointer_type(tl.float32)) + h * (K * V)
-        if EVEN:
-            t = tl.load(tp + off_kk)
-            s = tl.load(sp + off_kv)
-        else:
-            t = tl.load(tp + off_kk, mask=m_kk, other=0.0)
-            s = tl.load(sp + off_kv, mask=m_kv, other=0.0)
+        t = _load_block(tp + off_kk, m_kk, EVEN)
+        s = _load_block(sp + off_kv, m_kv, EVEN)
     return t, s
+
+
+@triton.jit
+def _load_block(ptrs, mask, EVEN: tl.constexpr):
+    """A block load, masked unless the block is known to be in bounds (EVEN)."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -254,35 +256,9 @@ def _default(r: int, h: int, v: int, device) -> tuple[int, int, int]:
 
 
 def _tuned(key, device, launch, fallback, out) -> tuple[int, int, int]:
-    """The fastest configuration for this shape (timed once); one whose result differs from the first
+    """The fastest configuration for this shape (ops/tuning.py); fp32 outputs: one that differs from the first
     configuration's by more than 1e-5 relative is never chosen."""
-    hit = TUNED.get(key)
-    if hit is not None:
-        return hit[0]
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return fallback
-    times, first = {}, None
-    for cfg in _CONFIGS:
-        try:
-            launch(cfg)                                   # compiles
-            if first is None:
-                first = out.clone()
-            elif float((out - first).norm()) > 1e-5 * float(first.norm()):
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(3):
-                launch(cfg)
-            b.record()
-            b.synchronize()
-            times[cfg] = a.elapsed_time(b) / 3
-        except Exception:  # a configuration this GPU / Triton cannot build: skipped
-            continue
-    if not times:
-        return fallback
-    best = min(times, key=times.get)
-    TUNED[key] = (best, times)
-    return best
+    return tuned_config(TUNED, key, _CONFIGS, device, launch, out, fallback, 1e-5)
 
 
 def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, order=None, runs=None,

@@ -1,0 +1,41 @@
+"""Picking a Triton kernel's launch configuration per shape by timing a few (this backend's kernels).
+
+Imports no triton: the kernels' modules pass their own launch functions."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tuned_config(table: dict, key, configs, device, launch, out: torch.Tensor, fallback, rel_tol: float):
+    """The fastest of `configs` for this shape key, timed once (3 launches each after a first that compiles)
+    and remembered in table[key] = (config, {config: ms}). A configuration whose output differs from the first
+    one's by more than rel_tol (relative norm: a broken build, not rounding) is never chosen; one that cannot be
+    built is skipped. Off CUDA, or while a CUDA graph is being captured (no timing there), the fallback."""
+    hit = table.get(key)
+    if hit is not None:
+        return hit[0]
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return fallback
+    times, first = {}, None
+    for cfg in configs:
+        try:
+            launch(cfg)
+            if first is None:
+                first = out.float().clone()
+            elif float((out.float() - first).norm()) > rel_tol * float(first.norm()):
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(3):
+                launch(cfg)
+            b.record()
+            b.synchronize()
+            times[cfg] = a.elapsed_time(b) / 3
+        except Exception:  # a configuration this GPU / Triton cannot build: skipped
+            continue
+    if not times:
+        return fallback
+    best = min(times, key=times.get)
+    table[key] = (best, times)
+    return best
