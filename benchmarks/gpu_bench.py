@@ -228,6 +228,17 @@ def decode_bench(llm, prompts, steps: int, batches=(1, 8), prof: bool = False):
             per = (time.perf_counter() - t0) / steps
             if prof and mode == "graph" and b == batches[0]:
                 out[f"timeline_step_batch_{b}"] = profile(f"decode step, batch {b} (graph)", step)
+                if eng.decoder is not None and getattr(eng.decoder, "graphs", False):
+                    # the same step's fixed buffers run eagerly: the aten ops behind the graph's kernels
+                    for r in reqs:
+                        eng.decoder.release(r, write_back=True)
+                    eng.decoder = StaticDecoder(eng.model, eng.device, eng.model.lm_head.weight.dtype, graphs=False)
+                    for _ in range(2):
+                        step()
+                    profile(f"decode step, batch {b}, the fixed buffers run eagerly", step)
+                    for r in reqs:
+                        eng.decoder.release(r, write_back=True)
+                    eng.decoder = graph_dec
             first[mode] = reqs[0].logits[1]
             for r in reqs:
                 eng.finish(r)
@@ -553,6 +564,25 @@ def main():
     if args.profile:
         rag["timeline_warm_pic"] = profile("warm pic request",
                                            lambda: ttft(Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)))
+        if comp is not None and getattr(comp, "graphs", False):
+            # the same fixed buffers run eagerly: the profile then names the aten op (and its shapes) behind each
+            # of the graph's ~3,000 kernels, which a replay hides
+            from hypic.runtime.compose_graph import GraphCompose
+
+            eager = GraphCompose(llm.engine.model, comp.device, comp.dtype, graphs=False)
+            llm.engine.composer = eager
+            try:
+                p_e = Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)
+                ttft(p_e)
+                profile("warm pic request, the fixed buffers run eagerly (ops behind the graph's kernels)",
+                        lambda: ttft(p_e))
+            except Exception:  # a diagnostic: it must not cost the rest of the device call
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                llm.engine.composer = comp
+                eager.clear()
         llm.set_policy("full", 0)
         profile(f"full prefill {sizes[0]}", lambda: ttft(Prompt(query=full_ids[sizes[0]])))
         llm.set_policy("pic", 8)
