@@ -86,6 +86,7 @@ def test_lowering_tables():
         def __init__(self, n, tail_rows):
             self.cached_tokens = n
             self.layers = {0: type("P", (), {"tail": torch.zeros(tail_rows, 2)})()}
+            self.tail_len = tail_rows                       # (SegmentEntry.tail_len: its layers' tail rows)
 
     b = BatchBuilder("cpu")
     e1, e2 = E(10, 3), E(2, 2)

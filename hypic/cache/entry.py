@@ -137,6 +137,15 @@ class SegmentEntry:
     def cached_tokens(self) -> int:
         return self.length - self.seam
 
+    @functools.cached_property
+    def tail_len(self) -> int:
+        """Rows of the conv tail its linear layers keep (0: none); the same in every layer."""
+        for part in self.layers.values():
+            tail = getattr(part, "tail", None)
+            if tail is not None:
+                return int(tail.shape[0])
+        return 0
+
     @property
     def dtype(self) -> str:
         kv = next((p for p in self.layers.values() if isinstance(p, AttnKV)), None)
