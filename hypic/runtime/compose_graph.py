@@ -309,12 +309,10 @@ class ComposeBuffers:
             if w and self.conv_idx is None:
                 self.conv_idx, self.window = z(np_, w), z(w - 1)
         self.outputs: dict = {}         # layer -> what the pass leaves for the states (set by each forward)
-        # the chain step tables of the layers whose scan reads maps in place: one host and one device tensor,
-        # a row per layer, filled by each layer's compose_fill and copied in one piece
         # the request's tables as views of one device buffer per dtype, each copied from one host buffer (pinned on
         # CUDA: one asynchronous copy instead of ~13 staged ones from pageable memory)
         cuda = device.type == "cuda"
-        self._groups = []
+        self._groups, self._slots = [], {}       # (device, host, host as numpy) per dtype; table -> (group, a, b)
         for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
                                         "kperm", "qlast"] + (["conv_idx", "window"] if self.conv_idx is not None
                                                              else [])),
@@ -322,13 +320,15 @@ class ComposeBuffers:
             sizes = [getattr(self, nm).numel() for nm in names]
             dev = torch.zeros(sum(sizes), dtype=dt, device=device)
             host = torch.zeros(sum(sizes), dtype=dt, pin_memory=cuda)
-            slices, a = [], 0
+            a = 0
             for nm, k in zip(names, sizes):
                 setattr(self, nm, dev[a : a + k].view(getattr(self, nm).shape))
-                slices.append((nm, a, a + k))
+                self._slots[nm] = (len(self._groups), a, a + k)
                 a += k
-            self._groups.append((dev, host, host.numpy(), slices))
+            self._groups.append((dev, host, host.numpy()))
         self._copied = None              # an event after the last copy from the pinned host buffers (CUDA)
+        # the chain step tables of the layers whose scan reads maps in place: one host and one device tensor,
+        # a row per layer, filled by each layer's compose_fill and copied piece by piece
         self.steps = None
         users = shared.get("steps", [])
         if users:
@@ -351,13 +351,12 @@ class ComposeBuffers:
     def load_tables(self, low: Lowered) -> None:
         if self._copied is not None:         # the host buffers are rewritten only once the last request's copies ran
             self._copied.synchronize()       # (long done: its first token was read back since)
-        for dev, host, hnp, slices in self._groups:
-            for name, a, b in slices:
-                t = low.tables.get(name)
-                if t is not None:
-                    if t.numel() != b - a:
-                        raise ValueError(f"table {name}: {t.numel()} values for a buffer of {b - a}")
-                    hnp[a:b] = t.numpy().reshape(-1)
+        for name, t in low.tables.items():
+            g, a, b = self._slots[name]
+            if t.numel() != b - a:
+                raise ValueError(f"table {name}: {t.numel()} values for a buffer of {b - a}")
+            self._groups[g][2][a:b] = t.numpy().reshape(-1)
+        for dev, host, _ in self._groups:
             dev.copy_(host, non_blocking=True)
         self._mark_copied()
         self.copy_tables = []
