@@ -197,6 +197,53 @@ def test_triton_moe_matches_reference():
 
 
 @cuda
+@pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
+def test_fused_norms_and_gate_match_reference():
+    """fla's fused norm and gate kernels behind the fast backend against the reference ops (the same arithmetic:
+    fp32 inside, one rounding): bf16 outputs within one bf16 ulp of the reference's (the reductions' order is
+    all that differs, ~1e-7 relative before the rounding); the gate in fp32 within 1e-5 relative plus 1e-6
+    absolute (fla's softplus uses the hardware's approximate exp2 / log2, ~2^-22 relative, and log(1 + e^x),
+    whose fp32 rounding is ~6e-8 absolute for very negative x; A <= 16 scales it). Then the modules: the
+    zero-centred RMSNorm's fused form is its own arithmetic (one ulp), the gated norm's fused form skips
+    transformers' two roundings in between (two ulps)."""
+    from hypic.layers.norm import RMSNorm, RMSNormGated, SigmoidGatedRMSNorm
+    from hypic.ops import get_backend
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def ulps(a, b):                       # |a - b| in units of b's bf16 spacing (2^-7 of its magnitude's power of 2)
+        a, b = a.float(), b.float()
+        spacing = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(1e-30)))) * 2.0 ** -7
+        return float(((a - b).abs() / spacing).max())
+
+    for n, d in ((1, 128), (7, 256), (300, 2048)):
+        x = torch.randn(n, d, device="cuda", generator=g).bfloat16() * 3
+        gate = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+        w = 1 + 0.1 * torch.randn(d, device="cuda", generator=g)
+        assert ulps(fast.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)) <= 1, (n, d)
+        for act in ("silu", "sigmoid"):
+            assert ulps(fast.rms_norm_gated(x, gate, w.bfloat16(), 1e-6, act),
+                        ref.rms_norm_gated(x, gate, w.bfloat16(), 1e-6, act)) <= 1, (n, d, act)
+        hv = 32
+        a = torch.randn(n, hv, device="cuda", generator=g).bfloat16() * 4
+        a_log = torch.empty(hv, device="cuda").uniform_(0.01, 16.0, generator=g).log()
+        dt = torch.randn(hv, device="cuda", generator=g).bfloat16()
+        g0, g1 = ref.gdn_gate(a, a_log, dt), fast.gdn_gate(a, a_log, dt)
+        assert g1.dtype == torch.float32 and bool(((g1 - g0).abs() <= 1e-5 * g0.abs() + 1e-6).all()), (n, float((g1 - g0).abs().max()))
+    ops = get_backend("fast")
+    x = torch.randn(5, 4, 256, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(5, 4, 256, device="cuda", generator=g).bfloat16()
+    for cls, two in ((RMSNorm, False), (RMSNormGated, True), (SigmoidGatedRMSNorm, True)):
+        plain, fused = cls(256, 1e-6).cuda().bfloat16(), cls(256, 1e-6, ops).cuda().bfloat16()
+        with torch.no_grad():
+            plain.weight.normal_(0.0 if cls is RMSNorm else 1.0, 0.1, generator=g)
+            fused.weight.copy_(plain.weight)
+        args = (x,) if not two else (x, gate)
+        with torch.inference_mode():
+            assert ulps(fused(*args), plain(*args)) <= (2 if cls is RMSNormGated else 1), cls.__name__
+
+
+@cuda
 def test_engine_bf16_cuda_matches_cpu_reference():
     """The same weights in fp32 on the CPU (reference ops) and bf16 on CUDA (fast ops); the bound is
     twice the CPU reference's own error in bf16 on this model (gpu_check.py explains why)."""

@@ -252,8 +252,8 @@ class GatedAttention(RopeAttention):
         self.k_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
         self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=bias)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, ops)
         self.scale = self.hd ** -0.5
 
     def project(self, x, batch):

@@ -9,7 +9,6 @@ so T is a dense K x K matrix per value head, computed with the appended-identity
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..compose.transition import Form, Transition
@@ -42,7 +41,7 @@ class GatedDeltaNet(LinearMixer):
                                 padding=self.conv_width - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
-        self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps)
+        self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, ops)
         self.out_proj = nn.Linear(self.value_dim, hs, bias=False)
 
     def capturable(self, device) -> bool:
@@ -71,7 +70,7 @@ class GatedDeltaNet(LinearMixer):
         return 2 * self.key_dim + self.value_dim
 
     def features(self, x, batch):
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)   # [N, HV] fp32
+        g = self.ops.gdn_gate(self.in_proj_a(x), self.A_log, self.dt_bias)   # [N, HV] fp32
         return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(self.in_proj_b(x))}
 
     def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None, init_augmented=False,

@@ -53,7 +53,7 @@ class KimiDeltaAttention(LinearMixer):
         self.b_proj = nn.Linear(hs, self.h, bias=False)
         self.g_a_proj = nn.Linear(hs, self.d, bias=False)
         self.g_b_proj = nn.Linear(self.d, self.qkv_dim, bias=False)
-        self.o_norm = SigmoidGatedRMSNorm(self.d, cfg.rms_norm_eps)
+        self.o_norm = SigmoidGatedRMSNorm(self.d, cfg.rms_norm_eps, ops)
         self.o_proj = nn.Linear(self.qkv_dim, hs, bias=False)
 
     @property

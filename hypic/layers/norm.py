@@ -1,7 +1,11 @@
-"""RMS norms of the Qwen3.5 / Qwen3-Next family (fp32 inside).
+"""RMS norms (fp32 inside).
 
 The normalisation itself is `F.rms_norm` on the fp32 upcast (one fused kernel on CUDA, the same
-arithmetic as x * rsqrt(mean(x^2) + eps) written out), so each norm is a few kernels, not eight."""
+arithmetic as x * rsqrt(mean(x^2) + eps) written out), so each norm is a few kernels, not eight.
+Given an op backend (`ops`) whose `rms_norm` / `rms_norm_gated` are fused kernels (the fast backend on
+CUDA: fla-core's), a norm is one kernel: fp32 inside, one rounding at the end. Where a checkpoint's
+convention rounds in between (transformers' Qwen3.5 gated norm), the fused form is the more exact one
+and the two differ by at most an ulp of the output dtype; the reference backend keeps the convention."""
 
 from __future__ import annotations
 
@@ -15,27 +19,50 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), x.shape[-1:], None, eps)
 
 
-class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: x / rms(x) * (1 + w)."""
+def _fused(ops, x: torch.Tensor) -> bool:
+    """The backend's fused norm applies: the fast backend on CUDA (elsewhere the module's own arithmetic)."""
+    return ops is not None and ops.name == "fast" and x.is_cuda
 
-    def __init__(self, dim: int, eps: float):
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: x / rms(x) * (1 + w), the product in fp32 (one rounding)."""
+
+    def __init__(self, dim: int, eps: float, ops=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
+        self.ops = ops
+        self._scale = (None, None)
+
+    def scale(self) -> torch.Tensor:
+        """1 + w in fp32, made once per version of the weight (under autograd: made each call)."""
+        w = self.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            return 1.0 + w.float()
+        key = (w.data_ptr(), w._version, w.device)
+        if self._scale[0] != key:
+            self._scale = (key, 1.0 + w.detach().float())
+        return self._scale[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), x.shape[-1:], 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        if _fused(self.ops, x):
+            return self.ops.rms_norm(x, self.scale(), self.eps)
+        return F.rms_norm(x.float(), x.shape[-1:], self.scale(), self.eps).to(x.dtype)
 
 
 class RMSNormGated(nn.Module):
-    """w * x / rms(x), then * silu(gate) (norm before gate)."""
+    """w * x / rms(x), then * silu(gate) (norm before gate). The reference rounds x / rms(x) and its
+    product with w to x's dtype before the gate (transformers' Qwen3.5 convention)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if _fused(self.ops, x):
+            return self.ops.rms_norm_gated(x, gate, self.weight, self.eps, "silu")
         dtype = x.dtype
         y = self.weight * _normed(x, self.eps).to(dtype)
         return (y * F.silu(gate.float())).to(dtype)
@@ -55,13 +82,16 @@ class ScaledRMSNorm(nn.Module):
 
 
 class SigmoidGatedRMSNorm(nn.Module):
-    """w * x / rms(x) * sigmoid(gate), fp32 inside (KDA's output norm)."""
+    """w * x / rms(x) * sigmoid(gate), fp32 inside (KDA's output norm): the fused form's arithmetic."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if _fused(self.ops, x):
+            return self.ops.rms_norm_gated(x, gate, self.weight, self.eps, "sigmoid")
         y = F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps)
         return (y * torch.sigmoid(gate.float())).to(x.dtype)

@@ -30,8 +30,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, i, ops)
         p = cfg.params
         self.mlp = SparseMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     @property
     def state_mixer(self):
@@ -49,7 +49,7 @@ class Backbone(nn.Module):
         p = cfg.params
         self.rotary = Rotary(cfg, p.rotary_dim, dict(p.rope_parameters))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class HybridForCausalLM(CausalLM):

@@ -37,6 +37,9 @@ class Backend:
     recurrent_gated_delta_summary: Callable
     chunk_gated_delta_transition: Callable
     chunk_gated_delta_isolated: Callable
+    rms_norm: Callable
+    rms_norm_gated: Callable
+    gdn_gate: Callable
 
 
 _REGISTRY = {"reference": "hypic.ops.reference", "fast": "hypic.ops.fast"}
@@ -55,5 +58,6 @@ def get_backend(name: str) -> Backend:
             m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d, m.causal_conv1d_varlen,
             m.position_attention, m.decode_attention, m.route, m.route_grouped_sigmoid, m.experts_forward,
             m.recurrent_gated_delta_summary, m.chunk_gated_delta_transition, m.chunk_gated_delta_isolated,
+            m.rms_norm, m.rms_norm_gated, m.gdn_gate,
         )
     return _LOADED[name]

@@ -54,6 +54,47 @@ def _fla_conv():
     return causal_conv1d
 
 
+@functools.lru_cache(maxsize=None)
+def _fla_norms():
+    """fla-core's fused norm and gate kernels (rms_norm, rms_norm_gated, fused_gdn_gate), or None."""
+    try:
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.modules.norm.layernorm import rms_norm
+        from fla.ops.gated_delta_rule.gate import fused_gdn_gate
+    except Exception:
+        return None
+    return rms_norm, rms_norm_gated, fused_gdn_gate
+
+
+def _norm_kernels(*ts):
+    """fla's norm kernels where they may run on these tensors (CUDA, fla present, no autograd), else None."""
+    return _fla_norms() if ts[0].is_cuda and not needs_grad(*ts) else None
+
+
+def rms_norm(x, weight, eps):
+    """The reference signature (ops/reference/norm.py) in one fla kernel: fp32 inside, one rounding."""
+    k = _norm_kernels(x, weight)
+    if k is None:
+        return ref.rms_norm(x, weight, eps)
+    return k[0](x, weight, None, eps=eps)
+
+
+def rms_norm_gated(x, gate, weight, eps, activation):
+    """The reference signature in one fla kernel (norm, weight, gate's activation, product, rounding)."""
+    k = _norm_kernels(x, gate, weight)
+    if k is None:
+        return ref.rms_norm_gated(x, gate, weight, eps, activation)
+    return k[1](x, gate, weight, None, activation="swish" if activation == "silu" else activation, eps=eps)
+
+
+def gdn_gate(a, a_log, dt_bias):
+    """The reference signature in one fla kernel (fp32 out)."""
+    k = _norm_kernels(a, a_log, dt_bias)
+    if k is None:
+        return ref.gdn_gate(a, a_log, dt_bias)
+    return k[2](a, a_log, dt_bias, output_dtype=torch.float32)
+
+
 # this backend's own Triton kernels (module, function under hypic.ops), each with a PyTorch form beside it
 _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": ("triton_summary", "summary"),
             "chunk_summary": ("triton_summary", "chunk_summary"),
