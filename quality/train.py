@@ -112,8 +112,8 @@ K_CHOICES = np.array([1, 2, 3, 4, 5, 6, 8, 8, 10, 12, 16])
 
 
 class RowMaker:
-    def __init__(self, P: Pools, seq: int, seed: int, mix):
-        self.P, self.seq = P, seq
+    def __init__(self, P: Pools, seq: int, seed: int, mix, kc_subst: float = 0.7):
+        self.P, self.seq, self.kc_subst = P, seq, kc_subst
         self.rng = np.random.default_rng(seed)
         self.tasks = list(mix.keys())
         p = np.array(list(mix.values()), float)
@@ -127,7 +127,7 @@ class RowMaker:
         for j, i in enumerate(ids):
             doc = P.get("kc_doc", i)
             ans = P.get("kc_a", i)
-            if r.random() < 0.7:  # substitute another entity at every answer slot
+            if r.random() < self.kc_subst:  # substitute another entity at every answer slot
                 ent = P.get("kc_ent", r.integers(P.n("kc_ent")))
                 slots = P.get("kc_slot", i).reshape(-1, 2)
                 parts, last = [], 0
@@ -251,13 +251,14 @@ class RowMaker:
 
 
 class RowDataset(torch.utils.data.IterableDataset):
-    def __init__(self, P, seq, batch, seed, mix):
+    def __init__(self, P, seq, batch, seed, mix, kc_subst=0.7):
         self.P, self.seq, self.batch, self.seed, self.mix = P, seq, batch, seed, mix
+        self.kc_subst = kc_subst
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid = info.id if info else 0
-        rm = RowMaker(self.P, self.seq, self.seed * 1000 + wid, self.mix)
+        rm = RowMaker(self.P, self.seq, self.seed * 1000 + wid, self.mix, self.kc_subst)
         while True:
             T = np.zeros((self.batch, self.seq + 1), np.int64)
             W = np.zeros((self.batch, self.seq + 1), np.int8)
@@ -404,6 +405,8 @@ def main():
     ap.add_argument("--eval-every-min", type=float, default=2.5)
     ap.add_argument("--mix", default="kc=0.30,needle=0.22,facts=0.12,twohop=0.16,disfl=0.20")
     ap.add_argument("--peak-tflops", type=float, default=790.0)
+    ap.add_argument("--kc-subst", type=float, default=0.7,
+                    help="share of KC training passages whose answer entity is replaced (everywhere in the passage)")
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds by which the process must be done: training stops --reserve s before")
@@ -482,7 +485,7 @@ def main():
         del src
         log({"event": "init", "from": args.init})
     total_s = args.total_train_s or args.minutes * 60
-    ds = RowDataset(P, args.seq, args.batch, args.seed + 7919 * step0, mix)
+    ds = RowDataset(P, args.seq, args.batch, args.seed + 7919 * step0, mix, args.kc_subst)
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers,
                                      pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
                                      persistent_workers=False)
