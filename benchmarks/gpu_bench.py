@@ -310,10 +310,11 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     # graph captured under its setting), then the requests alternate between the default and the
     # variants, round by round in rotating order, so a drift of the machine touches all alike. Variants:
     # the runs' transitions factored in the chain scan (runs 27-32) instead of dense; the MoE's grouped GEMMs
-    # instead of the few-rows kernel (before run 33); the fill by a copy kernel (runs 32-35); other numbers of
-    # graph pieces; with --all-variants the runs' outputs corrected
-    # after the scan instead of inside it, and the graph in 4 pieces (run 19 also timed seam runs fused
-    # with the segment after them: 68.2 against 64.7 ms, removed)
+    # instead of the few-rows kernel (before run 33); the norms and the GDN gate unfused, the routing and the
+    # sort by PyTorch ops (before run 38); the graph in one piece; a one-layer first piece. With
+    # --all-variants also those decided before: the runs' outputs corrected after the scan instead of inside
+    # it, the fill by a copy kernel (runs 32-35), the graph in 4 or 16 pieces (run 19 also timed seam runs
+    # fused with the segment after them: 68.2 against 64.7 ms, removed)
     from hypic.layers import linear as _linear
     from hypic.runtime.compose_graph import GraphCompose
 
@@ -330,17 +331,19 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
 
     variants = [("default", (lambda: None, lambda: None), {}),
                 ("runs_T_factored", flag(_linear, "RUN_FACTORS", True), {}),          # the default of runs 27-32
-                ("moe_grouped_mm", flag(_fast, "MOE_FEW_ROWS", False), {})]           # before run 33
+                ("moe_grouped_mm", flag(_fast, "MOE_FEW_ROWS", False), {}),           # before run 33
+                ("norms_unfused", flag(_fast, "FUSED_NORMS", False), {}),             # before run 38
+                ("route_by_torch", flag(_fast, "ROUTE_KERNELS", False), {})]          # before run 38
     from hypic.runtime import compose_graph as _cg
 
-    variants.append(("fill_by_address", flag(_cg, "COPY_BY_ADDRESS", True), {}))   # runs 32-35
-    # the graph in other numbers of pieces (each piece's layers filled just before its launch; one piece: the
-    # whole fill, then one launch, as before run 34)
+    # the graph in one piece (the whole fill, then one launch, as before run 34); a short first piece
     nop = (lambda: None, lambda: None)
-    variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (1, 4, 16) if p != comp.pieces]
-    variants += [(f"first_piece_{f}_layers", nop, {"first": f}) for f in (1, 2) if f != comp.first_piece]
-    if args.all_variants:
-        variants += [("correction_after_scan", flag(_linear, "FUSE_CORRECTION", False), {})]
+    variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (1,) if p != comp.pieces]
+    variants += [(f"first_piece_{f}_layers", nop, {"first": f}) for f in (1,) if f != comp.first_piece]
+    if args.all_variants:           # decided in runs 19-37 (docs/benchmarks.md)
+        variants += [("correction_after_scan", flag(_linear, "FUSE_CORRECTION", False), {}),
+                     ("fill_by_address", flag(_cg, "COPY_BY_ADDRESS", True), {})]
+        variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (4, 16) if p != comp.pieces]
     tuned = _ts.TUNED if _ts is not None else {}
     print(f"scan tuner picks: {({k: v[0] for k, v in tuned.items()})}", flush=True)
     rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in tuned.items()}

@@ -197,6 +197,29 @@ def test_triton_moe_matches_reference():
 
 
 @cuda
+def test_triton_route_and_sort_match_reference():
+    """The routing kernel in bf16 (ops/triton_route.py) keeps a valid top k: the chosen experts' probabilities
+    are the k largest (bf16 logits tie often among 256 experts; at the k-th place the kernel may keep another
+    id of an equal probability than torch.topk), weights within a bf16 rounding; the sort kernel equals a
+    stable argsort and the cumulative counts exactly."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for n, ne, k in ((1, 256, 8), (224, 256, 8), (64, 128, 4)):
+        x = torch.randn(n, 512, device="cuda", generator=g).bfloat16()
+        router = (torch.randn(ne, 512, device="cuda", generator=g) * 0.05).bfloat16()
+        w1, e1 = fast.route(x, router, k, True)
+        assert "route" not in fast.FAILED
+        probs = torch.softmax(torch.nn.functional.linear(x, router), -1, dtype=torch.float32)
+        top = probs.topk(k, -1).values
+        assert torch.allclose(probs.gather(1, e1).sort(-1, descending=True).values, top, rtol=1e-6, atol=0)
+        w0 = probs.gather(1, e1)
+        assert rel(w1, (w0 / w0.sum(-1, keepdim=True))) < 4e-3                # bf16 rounding of the weights
+        flat = e1.reshape(-1)
+        order, offs = fast._sort_by_expert(flat, ne, True)
+        assert "sort" not in fast.FAILED and torch.equal(order, flat.argsort(stable=True))
+        assert torch.equal(offs, torch.bincount(flat, minlength=ne).cumsum(0).to(torch.int32))
+
+
+@cuda
 @pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
 def test_fused_norms_and_gate_match_reference():
     """fla's fused norm and gate kernels behind the fast backend against the reference ops (the same arithmetic:
@@ -526,6 +549,19 @@ for n, k, ne, hd, inter in ((7, 3, 5, 64, 48), (40, 2, 4, 32, 16), (1, 2, 6, 48,
                  (triton_moe._CONFIGS["gate_up"][1], triton_moe._CONFIGS["down"][1])):
         y1 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, flat.argsort(stable=True), offs, configs=cfgs)
         assert rel(y1, y0) < 1e-6, (n, k, ne)
+from hypic.ops import triton_route                    # the MoE's routing and its sort by expert
+from hypic.ops.reference import route as ref_route
+for n, ne, k, norm in ((5, 16, 4, True), (33, 64, 8, False), (1, 256, 8, True)):
+    x, router = torch.randn(n, 32), torch.randn(ne, 32)       # fp32: no two probabilities equal
+    w0, e0 = ref_route(x, router, k, norm)
+    w1, e1 = triton_route.route(torch.nn.functional.linear(x, router), k, norm)
+    assert torch.equal(e1, e0) and rel(w1, w0.double()) < 1e-6, (n, ne, k)
+for nk, ne in ((8, 256), (37, 5), (1800, 256), (4096, 64)):
+    flat = torch.randint(0, ne, (nk,))
+    flat[: nk // 3] = 1                                       # many equal ids: the sort must keep index order
+    order, offs = triton_route.sort_by_expert(flat, ne)
+    assert torch.equal(order, flat.argsort(stable=True)), nk
+    assert torch.equal(offs, torch.bincount(flat, minlength=ne).cumsum(0).to(torch.int32)), nk
 from hypic.ops.triton_conv import gathered_conv
 src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
 w, b = torch.randn(300, 4), torch.randn(300)

@@ -11,7 +11,9 @@
                        with a position mask; decode over fixed-size per-sequence slots without a host sync
     MoE experts        tokens sorted by expert; few rows per expert (a warm pic request, decode): the
                        weights streamed by a Triton kernel (ops/triton_moe.py), else two grouped GEMMs
-                       (torch._grouped_mm)
+                       (torch._grouped_mm); the routing (softmax, top k, renormalisation) and, for few
+                       rows, the sort by expert in one Triton kernel each (ops/triton_route.py)
+    norms, GDN gate    fla-core's fused kernels (one launch each, fp32 inside, one rounding)
 KDA, GLA and simple GLA stay on the reference ops here (their fla kernels are not wired yet).
 
 Every function here has a test against its reference twin (tests/test_fast_ops.py on CPU,
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 from . import reference as ref
 from .reference import (  # noqa: F401  (re-exported: same names as the reference backend)
-    causal_conv1d, chunk_gla, chunk_kda, chunk_simple_gla, recurrent_gla, recurrent_kda, recurrent_simple_gla, route,
+    causal_conv1d, chunk_gla, chunk_kda, chunk_simple_gla, recurrent_gla, recurrent_kda, recurrent_simple_gla,
     route_grouped_sigmoid,
 )
 
@@ -66,9 +68,12 @@ def _fla_norms():
     return rms_norm, rms_norm_gated, fused_gdn_gate
 
 
+FUSED_NORMS = True       # False: the norms and the gate in their reference form (gpu_bench's side-by-side variant)
+
+
 def _norm_kernels(*ts):
     """fla's norm kernels where they may run on these tensors (CUDA, fla present, no autograd), else None."""
-    return _fla_norms() if ts[0].is_cuda and not needs_grad(*ts) else None
+    return _fla_norms() if FUSED_NORMS and ts[0].is_cuda and not needs_grad(*ts) else None
 
 
 def rms_norm(x, weight, eps):
@@ -99,7 +104,8 @@ def gdn_gate(a, a_log, dt_bias):
 _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": ("triton_summary", "summary"),
             "chunk_summary": ("triton_summary", "chunk_summary"),
             "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps"),
-            "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows")}
+            "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows"),
+            "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
@@ -535,6 +541,41 @@ MOE_FEW_ROWS = True
 FEW_ROWS_PER_EXPERT = 16
 
 
+def route(x, router, top_k: int, norm_topk_prob: bool):
+    """The reference signature (ops/reference/moe.py): the router's GEMM, then softmax, top k and the
+    renormalisation in one Triton kernel (ops/triton_route.py); the reference where it cannot run."""
+    kern = triton_kernel("route", x, router) if ROUTE_KERNELS and triton_here(x) else None
+    if kern is not None:
+        try:
+            return kern(F.linear(x, router), top_k, norm_topk_prob)
+        except Exception as err:
+            kernel_failed("route", err)
+    return ref.route(x, router, top_k, norm_topk_prob)
+
+
+def _sort_by_expert(flat, e: int, few: bool):
+    """(order: the n*k choices sorted by expert, stable; offs [E] int32 inclusive cumulative counts). On the
+    few-rows path one Triton program (ops/triton_route.py) makes both; else a radix sort and a scatter-add."""
+    if few and ROUTE_KERNELS and flat.numel() <= SORT_MAX:
+        kern = triton_kernel("sort")
+        if kern is not None:
+            try:
+                return kern(flat, e)
+            except Exception as err:
+                kernel_failed("sort", err)
+    # a stable sort of the expert ids on the narrowest key that holds them: the radix sort's passes follow the
+    # key's width (H200 run 23: int64 keys, 29 us per layer for 224 x 8 entries)
+    keys = flat.to(torch.uint8) if e <= 256 else flat.to(torch.int16) if e <= 1 << 15 else flat
+    order = keys.argsort(stable=True)
+    counts = torch.zeros(e, dtype=torch.int32, device=flat.device)
+    offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)  # no sync
+    return order, offs
+
+
+SORT_MAX = 4096            # ops/triton_route.py's bound (one program)
+ROUTE_KERNELS = True       # False: routing and sort by PyTorch ops (gpu_bench's side-by-side variant)
+
+
 def experts_forward(x, weights, experts, gate_up, down):
     """Tokens sorted by expert; the Triton kernel for few rows per expert, else two grouped GEMMs; a
     deterministic combine (no atomics)."""
@@ -543,13 +584,9 @@ def experts_forward(x, weights, experts, gate_up, down):
     n, k = experts.shape
     flat = experts.reshape(-1)
     e = gate_up.shape[0]
-    # a stable sort of the expert ids on the narrowest key that holds them: the radix sort's passes follow the
-    # key's width (H200 run 23: int64 keys, 29 us per layer for 224 x 8 entries)
-    keys = flat.to(torch.uint8) if e <= 256 else flat.to(torch.int16) if e <= 1 << 15 else flat
-    order = keys.argsort(stable=True)
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
-    offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)  # no sync
-    if MOE_FEW_ROWS and n * k <= FEW_ROWS_PER_EXPERT * e and triton_here(x):
+    few = MOE_FEW_ROWS and n * k <= FEW_ROWS_PER_EXPERT * e and triton_here(x)
+    order, offs = _sort_by_expert(flat, e, few)
+    if few:
         kern = triton_kernel("moe", x)
         if kern is not None:
             try:
