@@ -224,9 +224,13 @@ def test_triton_route_and_sort_match_reference():
 def test_fused_norms_and_gate_match_reference():
     """fla's fused norm and gate kernels behind the fast backend against the reference ops (the same arithmetic:
     fp32 inside, one rounding): bf16 outputs within one bf16 ulp of the reference's (the reductions' order is
-    all that differs, ~1e-7 relative before the rounding); the gate in fp32 within 1e-5 relative plus 1e-6
-    absolute (fla's softplus uses the hardware's approximate exp2 / log2, ~2^-22 relative, and log(1 + e^x),
-    whose fp32 rounding is ~6e-8 absolute for very negative x; A <= 16 scales it). Then the modules: the
+    all that differs, ~1e-7 relative before the rounding); the gate in fp32 within 1e-5 relative plus
+    5e-7 * A absolute per element: fla's softplus is log(1 + e^x) through the hardware's approximate exp2 and
+    log2 (ex2.approx ~2^-22 relative: <= 2.4e-7 absolute on the softplus; lg2.approx ~2^-22 absolute: 1.7e-7
+    after the ln 2 factor; the fp32 rounding of 1 + e^x: 6e-8), ~4.7e-7 in all, and g = -A * softplus scales
+    it by A = exp(A_log) <= 16 here. (H200 run 38 failed an earlier bound of 1e-6 absolute that left out the
+    factor A: max |difference| 3.1e-5 over 300 x 32 gates, |g| up to ~250; which element failed was not
+    recorded, and this bound has not run on the GPU yet.) Then the modules: the
     zero-centred RMSNorm's fused form is its own arithmetic (one ulp), the gated norm's fused form skips
     transformers' two roundings in between (two ulps)."""
     from hypic.layers.norm import RMSNorm, RMSNormGated, SigmoidGatedRMSNorm
@@ -252,7 +256,8 @@ def test_fused_norms_and_gate_match_reference():
         a_log = torch.empty(hv, device="cuda").uniform_(0.01, 16.0, generator=g).log()
         dt = torch.randn(hv, device="cuda", generator=g).bfloat16()
         g0, g1 = ref.gdn_gate(a, a_log, dt), fast.gdn_gate(a, a_log, dt)
-        assert g1.dtype == torch.float32 and bool(((g1 - g0).abs() <= 1e-5 * g0.abs() + 1e-6).all()), (n, float((g1 - g0).abs().max()))
+        bound = 1e-5 * g0.abs() + 5e-7 * a_log.exp()                  # softplus's absolute error, scaled by A
+        assert g1.dtype == torch.float32 and bool(((g1 - g0).abs() <= bound).all()), (n, float((g1 - g0).abs().max()))
     ops = get_backend("fast")
     x = torch.randn(5, 4, 256, device="cuda", generator=g).bfloat16()
     gate = torch.randn(5, 4, 256, device="cuda", generator=g).bfloat16()
