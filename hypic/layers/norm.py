@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import reference
+
 
 def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) in fp32."""
@@ -22,6 +24,12 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
 def _fused(ops, x: torch.Tensor) -> bool:
     """The backend's fused norm applies: the fast backend on CUDA (elsewhere the module's own arithmetic)."""
     return ops is not None and ops.name == "fast" and x.is_cuda
+
+
+def _ops(ops, x: torch.Tensor):
+    """The backend whose norm ops run x, for norms whose arithmetic is the fused form's: the fast one on CUDA,
+    else the reference ops (the same arithmetic, written out)."""
+    return ops if _fused(ops, x) else reference
 
 
 class RMSNorm(nn.Module):
@@ -45,9 +53,7 @@ class RMSNorm(nn.Module):
         return self._scale[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused(self.ops, x):
-            return self.ops.rms_norm(x, self.scale(), self.eps)
-        return F.rms_norm(x.float(), x.shape[-1:], self.scale(), self.eps).to(x.dtype)
+        return _ops(self.ops, x).rms_norm(x, self.scale(), self.eps)
 
 
 class RMSNormGated(nn.Module):
@@ -91,7 +97,4 @@ class SigmoidGatedRMSNorm(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if _fused(self.ops, x):
-            return self.ops.rms_norm_gated(x, gate, self.weight, self.eps, "sigmoid")
-        y = F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps)
-        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+        return _ops(self.ops, x).rms_norm_gated(x, gate, self.weight, self.eps, "sigmoid")

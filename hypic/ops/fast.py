@@ -541,6 +541,10 @@ MOE_FEW_ROWS = True
 FEW_ROWS_PER_EXPERT = 16
 
 
+SORT_MAX = 4096            # ops/triton_route.py's bound (one program)
+ROUTE_KERNELS = True       # False: routing and sort by PyTorch ops (gpu_bench's side-by-side variant)
+
+
 def route(x, router, top_k: int, norm_topk_prob: bool):
     """The reference signature (ops/reference/moe.py): the router's GEMM, then softmax, top k and the
     renormalisation in one Triton kernel (ops/triton_route.py); the reference where it cannot run."""
@@ -570,10 +574,6 @@ def _sort_by_expert(flat, e: int, few: bool):
     counts = torch.zeros(e, dtype=torch.int32, device=flat.device)
     offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)  # no sync
     return order, offs
-
-
-SORT_MAX = 4096            # ops/triton_route.py's bound (one program)
-ROUTE_KERNELS = True       # False: routing and sort by PyTorch ops (gpu_bench's side-by-side variant)
 
 
 def experts_forward(x, weights, experts, gate_up, down):
