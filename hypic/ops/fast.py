@@ -541,7 +541,7 @@ MOE_FEW_ROWS = True
 FEW_ROWS_PER_EXPERT = 16
 
 
-SORT_MAX = 4096            # ops/triton_route.py's bound (one program)
+SORT_MAX = 8192            # ops/triton_route.py's rank sort: at most this many choices (n * k)
 ROUTE_KERNELS = True       # False: routing and sort by PyTorch ops (gpu_bench's side-by-side variant)
 
 
@@ -559,7 +559,8 @@ def route(x, router, top_k: int, norm_topk_prob: bool):
 
 def _sort_by_expert(flat, e: int, few: bool):
     """(order: the n*k choices sorted by expert, stable; offs [E] int32 inclusive cumulative counts). On the
-    few-rows path one Triton program (ops/triton_route.py) makes both; else a radix sort and a scatter-add."""
+    few-rows path one Triton kernel (ops/triton_route.py, a counting sort by ranks) makes both; else a radix sort
+    and a scatter-add."""
     if few and ROUTE_KERNELS and flat.numel() <= SORT_MAX:
         kern = triton_kernel("sort")
         if kern is not None:
