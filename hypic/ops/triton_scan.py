@@ -229,106 +229,6 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
 
-@triton.jit
-def _quarters(tp, sp, ldt: tl.constexpr, lds: tl.constexpr, off_q, off_s, HK: tl.constexpr):
-    """A dense map's four [HK x HK] quarters of T (row stride ldt) and the two [HK x BV] halves of its S block
-    (row stride lds)."""
-    t00 = tl.load(tp + off_q)
-    t01 = tl.load(tp + off_q + HK)
-    t10 = tl.load(tp + off_q + HK * ldt)
-    t11 = tl.load(tp + off_q + HK * ldt + HK)
-    sa = tl.load(sp + off_s)
-    sb = tl.load(sp + off_s + HK * lds)
-    return t00, t01, t10, t11, sa, sb
-
-
-@triton.jit
-def _split_step(xa, xb, j, steps, a_addr, before, ou, s_ot, s_oh, h, rh, rv, off_qc, off_sc, off_qr, off_sr,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
-                CORRECT: tl.constexpr, BT: tl.constexpr):
-    """_chain_step with the state held as two halves of K rows, xa = x[:K/2], xb = x[K/2:], and every product
-    over one quarter of T: x <- [T00 xa + T01 xb + Sa; T10 xa + T11 xb + Sb]. Same loads, same order of issue
-    (all of a step's loads before its products); the tf32x3 split of T is made a quarter at a time, so a
-    program never holds the whole [K x K] map three times over (H200 runs 30-34: the whole-K step used 255
-    registers and spilled)."""
-    HK: tl.constexpr = K // 2
-    row = steps + j.to(tl.int64) * W
-    tv = tl.load(row)
-    sv = tl.load(row + 1)
-    is_run = tl.load(row + 2) != 0
-    if is_run:
-        tp = (tv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
-        sp = (sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
-        t00, t01, t10, t11, sa, sb = _quarters(tp, sp, V + K, V + K, off_qr, off_sr, HK)
-    else:
-        tp = tv.to(tl.pointer_type(tl.float32)) + h * (K * K)
-        sp = sv.to(tl.pointer_type(tl.float32)) + h * (K * V)
-        t00, t01, t10, t11, sa, sb = _quarters(tp, sp, K, V, off_qc, off_sc, HK)
-    if CORRECT:
-        t0 = tl.load(row + 4)
-        nt = tl.load(row + 5)
-        tt = tl.arange(0, BT)
-        mt = (tt < nt) & is_run
-        rows = (t0 + tt).to(tl.int64) * s_ot + h * s_oh
-        uptr = ou + rows[:, None] + V + rh[None, :]
-        optr = ou + rows[:, None] + rv[None, :]
-        ua = tl.load(uptr, mask=mt[:, None], other=0.0)
-        ub = tl.load(uptr + HK, mask=mt[:, None], other=0.0)
-        o0 = tl.load(optr, mask=mt[:, None], other=0.0).to(tl.float32)
-        if is_run:
-            corr = tl.dot(ub.to(tl.float32), xb, tl.dot(ua.to(tl.float32), xa, input_precision=PREC),
-                          input_precision=PREC)                                        # [BT, BV]
-            tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mt[:, None])
-    else:
-        if is_run:
-            slot = tl.load(row + 3)
-            off = (slot * H + h).to(tl.int64) * K * V + rh[:, None] * V + rv[None, :]
-            tl.store(before + off, xa)
-            tl.store(before + HK * V + off, xb)
-    ya = tl.dot(t01, xb, tl.dot(t00, xa, sa, input_precision=PREC), input_precision=PREC)
-    yb = tl.dot(t11, xb, tl.dot(t10, xa, sb, input_precision=PREC), input_precision=PREC)
-    return ya, yb
-
-
-@triton.jit
-def _scan_steps_split_kernel(init, steps, a_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
-                             K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                             STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
-    """_scan_steps_kernel for dense maps whose blocks cover K and V exactly (K a power of two >= 32), the state
-    in two halves of K rows (_split_step)."""
-    HK: tl.constexpr = K // 2
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    rh = tl.arange(0, HK)
-    rv = vb * BV + tl.arange(0, BV)
-    off_x = rh[:, None] * V + rv[None, :]
-    off_qc = rh[:, None] * K + rh[None, :]                       # a cached map's quarter, S half
-    off_sc = rh[:, None] * V + rv[None, :]
-    off_qr = rh[:, None] * (V + K) + V + rh[None, :]              # a run's [S | T] rows
-    off_sr = rh[:, None] * (V + K) + rv[None, :]
-    base = (r * H + h).to(tl.int64) * K * V
-    xa = tl.load(init + base + off_x)
-    xb = tl.load(init + base + HK * V + off_x)
-    j0 = tl.load(cu + r)
-    j1 = tl.load(cu + r + 1)
-    if STAGES > 1:
-        for j in tl.range(j0, j1, num_stages=STAGES):
-            xa, xb = _split_step(xa, xb, j, steps, a_addr, before, ou, s_ot, s_oh, h, rh, rv, off_qc, off_sc, off_qr,
-                                 off_sr, H, K, V, PREC, W, CORRECT, BT)
-    else:
-        j = j0
-        while j < j1:
-            xa, xb = _split_step(xa, xb, j, steps, a_addr, before, ou, s_ot, s_oh, h, rh, rv, off_qc, off_sc, off_qr,
-                                 off_sr, H, K, V, PREC, W, CORRECT, BT)
-            j += 1
-    tl.store(final + base + off_x, xa)
-    tl.store(final + base + HK * V + off_x, xb)
-
-
-SPLIT_K = True        # dense chains whose blocks fit exactly: the state in two halves of K (False: whole K, before run 40)
-
-
 COMPILED: dict = {}          # the last launched compiled kernel per kind ("steps"): its n_regs / n_spills for gpu_check
 
 _SMS: dict = {}
@@ -342,9 +242,10 @@ def _sm_count(device) -> int:
 
 # (value block, warps, pipeline stages) tried on a shape's first eager call; the first is the run-12 default.
 # (At 8 warps the factored, corrected step-table kernel uses 255 registers and spills: run 30, 60 values with
-# the loads first, 34 in order of use. 16 warps, tried in run 31, hit an illegal memory access in the factored
+# the loads first, 34 in order of use. H200 run 40 held the state in two halves of K and multiplied by quarters of
+# T, a quarter's tf32x3 split at a time: 363 against 296 us per layer, removed. 16 warps, tried in run 31, hit an illegal memory access in the factored
 # scan on the H200 (Triton 3.6), not investigated: not tried.)
-_CONFIGS = ((32, 8, 1), (64, 8, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 2), (32, 4, 1), (16, 4, 1))
+_CONFIGS = ((32, 8, 1), (64, 8, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 2))
 TUNED: dict = {}              # shape key -> (bv, warps, stages), with the timings (benchmarks print them)
 
 
@@ -444,22 +345,15 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
 
     bt = max(16, triton.next_power_of_2(max_run))
 
-    split = SPLIT_K and factors is None and bk == k and k >= 32
-
     def launch(cfg, _o=ou):
         b, w, st = cfg
-        if split and v % b == 0:
-            COMPILED["steps"] = _scan_steps_split_kernel[(r, h, v // b)](
-                init, steps, a_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BV=b, PREC=precision,
-                STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, num_warps=w)
-            return
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
             init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
             STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
             EVEN=bk == k and v % b == 0, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
-    form = ("steps" if factors is None else "steps+factors") + ("+split" if split else "")
+    form = "steps" if factors is None else "steps+factors"
     if bv is not None or warps is not None or stages is not None:
         cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
     elif tune and not correct:
