@@ -259,8 +259,7 @@ def ts_rows(model, ids, args, res):
     (seam windows, then the rests) with the rest's transition through fla's state passing only
     (fast.chunk_gated_delta_transition); the same with the transition through fla's whole pipeline on appended
     columns (the form of runs 10-19). Then the same for a batch of 20 segments of 1,600 tokens in one forward
-    (what a cold RAG request prefills). one_pass_separate_T: the one pass with the rests' T from a second
-    state-passing launch (before run 41; the default shares the launch where the GPU has room: a single segment)."""
+    (what a cold RAG request prefills)."""
     from hypic.ops import fast as _fast
 
     over = {}
@@ -282,15 +281,7 @@ def ts_rows(model, ids, args, res):
             finally:
                 _fast.TRANSITION_STAGES = True
 
-        def separate_t():
-            _fast.TRANSITION_IN_STATE_PASS = False
-            try:
-                run(True)
-            finally:
-                _fast.TRANSITION_IN_STATE_PASS = True
-
-        forms = {"one_pass": lambda: run(True), "one_pass_separate_T": separate_t, "rounds": lambda: run(True, "rounds"),
-                 "rounds_appended_columns": appended}
+        forms = {"one_pass": lambda: run(True), "rounds": lambda: run(True, "rounds"), "rounds_appended_columns": appended}
         e = over[n] = {"plain_s": timed(lambda: run(False), args.reps + 2)[0]}
         for name, fn in forms.items():
             e[f"{name}_s"] = timed(fn, args.reps + 2)[0]

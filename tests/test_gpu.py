@@ -77,29 +77,18 @@ def test_fla_transition_stages_match_reference():
 
 @cuda
 @pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
-@pytest.mark.parametrize("lens,seams,dv", [([70, 200, 129], [8, 8, 5], 32), ([40, 300], [8, 64], 32), ([9], [8], 32),
-                                           ([300], [8], 64), ([2000], [8], 64), ([40, 300], [8, 64], 64)])
-def test_fla_isolated_prefill_matches_reference(lens, seams, dv):
+@pytest.mark.parametrize("lens,seams", [([70, 200, 129], [8, 8, 5]), ([40, 300], [8, 64]), ([9], [8])])
+def test_fla_isolated_prefill_matches_reference(lens, seams):
     """An isolated prefill's linear layer in one pass on fla's stages (every sequence cut after its seam window
     into two pieces of one layout, the rests from the seams' states) against the fp32 reference (whole
     sequences, then the rests from zero): bf16 operands, the bound of the chunk checks above. Sequences
-    shorter than a chunk, a seam of a whole chunk, a rest of one token. With square states (dv = dk = 64) and
-    few sequences the rests' T come from the state pass's own launch over a doubled token axis: the same kernel
-    on the same operands per program as the second launch, so the two forms agree to fp32 rounding (1e-6)."""
-    q, k, v, gate, beta, _, cu = _gdn_inputs(lens, seed=5, dv=dv)
+    shorter than a chunk, a seam of a whole chunk, a rest of one token."""
+    q, k, v, gate, beta, _, cu = _gdn_inputs(lens, seed=5)
     kw = dict(g=gate, beta=beta, cu_seqlens=cu, seams=seams, use_qk_l2norm_in_kernel=True)
     want = ref.chunk_gated_delta_isolated(q.float(), k.float(), v.float(), **kw)
     got = fast.chunk_gated_delta_isolated(q, k, v, **kw)
     for name, a, b in zip(("o", "final", "T", "S"), got, want):
         assert a.shape == b.shape and rel(a, b) < 2e-2, name
-    assert fast._joint_pass_fits(2 * len(lens), v.shape[-2], k.shape[-1], dv, q.device) == (dv == 64)
-    fast.TRANSITION_IN_STATE_PASS = False
-    try:
-        second = fast.chunk_gated_delta_isolated(q, k, v, **kw)
-    finally:
-        fast.TRANSITION_IN_STATE_PASS = True
-    for name, a, b in zip(("o", "final", "T", "S"), got, second):
-        assert rel(a, b.double()) < 1e-6, name
 
 
 @cuda
@@ -158,14 +147,28 @@ def test_triton_scan_steps_matches_fp64():
     runs_in_order = [m for m in order if m >= E]
     want = outs[..., :V].double() + torch.einsum(
         "nhk,nhkv->nhv", outs[..., V:].double(), b0[runs_in_order].double().repeat_interleave(L, 0))
-    for cfg in triton_scan._CONFIGS:
-        b1, f1 = triton_scan.scan_steps(init, steps[:, :4].contiguous(), cu, runs, E + N, bv=cfg[0], warps=cfg[1],
-                                        stages=cfg[2])
-        assert rel(f1, f0) < 1e-5 and rel(b1[E:], b0[E:]) < 1e-5, cfg
-        got = outs.clone()
-        triton_scan.scan_steps(init, steps, cu, runs, E + N, outputs=got, max_run=L, bv=cfg[0], warps=cfg[1],
-                               stages=cfg[2])
-        assert rel(got[..., :V], want) < 1e-5, cfg
+    from triton.runtime.errors import OutOfResources
+
+    built = []
+    for cfg in triton_scan._CONFIGS:                 # a configuration that cannot be built is skipped, as the tuner does
+        for correct in (False, True):
+            try:
+                if correct:
+                    got = outs.clone()
+                    triton_scan.scan_steps(init, steps, cu, runs, E + N, outputs=got, max_run=L, bv=cfg[0],
+                                           warps=cfg[1], stages=cfg[2])
+                else:
+                    b1, f1 = triton_scan.scan_steps(init, steps[:, :4].contiguous(), cu, runs, E + N, bv=cfg[0],
+                                                    warps=cfg[1], stages=cfg[2])
+            except OutOfResources:            # H200 run 41: (64, 8, 2) with the correction needs 279 KB of shared memory
+                continue
+            built.append((cfg, correct))
+            if correct:
+                assert rel(got[..., :V], want) < 1e-5, cfg
+            else:
+                assert rel(f1, f0) < 1e-5 and rel(b1[E:], b0[E:]) < 1e-5, cfg
+    defaults = {triton_scan._default(1, H, V, init.device) + (c,) for c in (False, True)}
+    assert defaults <= {cfg + (c,) for cfg, c in built}           # the untuned default always builds
 
 
 @cuda

@@ -331,51 +331,6 @@ def _stages_transitions(st, k, reuse, r: int):
     return t
 
 
-TRANSITION_IN_STATE_PASS = True   # False: the rests' T by a second state-passing launch always (gpu_bench's form)
-_SMS: dict = {}
-
-
-def _sm_count(device) -> int:
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
-
-
-def _joint_pass_fits(r: int, hv: int, dk: int, dv: int, device) -> bool:
-    """The transitions may share the state pass's launch: square states (the identity is a state) and the doubled
-    pass's programs (pieces x value heads x blocks of 64 value columns, twice) at most two per SM, so the T half
-    runs beside the state half instead of after it (one document's cache fill, 2 pieces x 32 heads x 2 blocks x 2 =
-    256 programs on the H200's 132 SMs; a 20-document batch fills the GPU by itself and keeps the second launch)."""
-    return TRANSITION_IN_STATE_PASS and dk == dv and r * hv * -(-dv // 64) <= 2 * _sm_count(device)
-
-
-def _stages_forward_joint(st, q, k, v, g, beta, scale, cu_cpu, init):
-    """_stages_forward with every piece's transition from the same state-passing launch: the token axis doubled,
-    keys [k | k], WY factors [w | w], values [u | 0], decays twice, initial states [init | I], so the second half's
-    final states are the pieces' T (what _stages_transitions computes in a launch of its own: the same kernel, the
-    same operands per program). The outputs read the first half's chunk states and new values, which lie first.
-    Returns (o, final states, T)."""
-    _, cumsum, rcp_ln2, intra, fwd_h, fwd_o = st
-    cu, _, chunks = _cu(cu_cpu, q.device)
-    n, r = k.shape[1], cu_cpu.numel() - 1
-    cu2, _, chunks2 = _cu(torch.cat([cu_cpu, cu_cpu[1:] + n]), q.device)
-    gc = cumsum(g.float().contiguous(), chunk_size=64, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=chunks)
-    w, u, _ = intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_indices=chunks, chunk_size=64)
-    dk, hv = k.shape[-1], w.shape[-2]
-    key = ("eye", r, hv, dk, str(k.device))
-    eye = _ZEROS.get(key)
-    if eye is None:
-        if len(_ZEROS) > 8:
-            _ZEROS.clear()
-        eye = _ZEROS[key] = torch.eye(dk, device=k.device).expand(r, hv, dk, dk).contiguous()
-    h, v_new, final = fwd_h(k=torch.cat([k, k], 1), w=torch.cat([w, w], 1), u=torch.cat([u, torch.zeros_like(u)], 1),
-                            g=torch.cat([gc, gc], 1), initial_state=torch.cat([init, eye]), output_final_state=True,
-                            cu_seqlens=cu2, chunk_indices=chunks2)
-    o = fwd_o(q=q, k=k, v=v_new[:, :n], h=h[:, : chunks.shape[0]], g=gc, scale=scale, cu_seqlens=cu,
-              chunk_indices=chunks)
-    return o.to(v.dtype), final[:r], final[r:]
-
-
 def chunk_gated_delta_transition(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                                  use_qk_l2norm_in_kernel=False):
     """The reference signature (ops/reference/gated_delta.py): the chunked recurrence from `initial_state`
@@ -409,8 +364,7 @@ def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=Non
       1. the seam windows from zero (fla's fused recurrent kernel on their few rows): the states S_w after them;
       2. fla's stages once over the cut layout, every seam from zero and every rest from its S_w: the outputs of
          all tokens and the state after each sequence (a plain prefill's work, one more piece per sequence);
-      3. the chunk-state pass once more over the same w, with zero values, from the identity: each rest's T (for a
-         few sequences in step 2's own launch, over a doubled token axis: _stages_forward_joint);
+      3. the chunk-state pass once more over the same w, with zero values, from the identity: each rest's T;
       and S = S_final - T S_w. Elsewhere, or under autograd: the two plain ops."""
     st = _fla_stages() if q.is_cuda and TRANSITION_STAGES else None
     bounds = cu_seqlens.tolist()
@@ -431,15 +385,11 @@ def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=Non
     split = [x for a, sw in zip(bounds[:-1], seams) for x in (a, a + sw)] + [bounds[-1]]
     init = s_w.new_zeros((2 * r,) + tuple(s_w.shape[1:]))
     init[1::2] = s_w
-    if _joint_pass_fits(2 * r, v.shape[-2], k.shape[-1], v.shape[-1], q.device):
-        # 3. in the same launch: the rests' transitions
-        o, final, t = _stages_forward_joint(st, q, k, v, g, beta, scale, torch.tensor(split), init)
-        t = t[1::2]
-    else:
-        o, final, reuse = _stages_forward(st, q, k, v, g, beta, scale, torch.tensor(split), init)
-        # 3. the rests' transitions
-        t = _stages_transitions(st, k, reuse, 2 * r)[1::2]
-    s_n = final[1::2]
+    o, final, reuse = _stages_forward(st, q, k, v, g, beta, scale, torch.tensor(split), init)
+    # 3. the rests' transitions (a second launch: H200 run 41 made them in the state pass's own launch over a doubled
+    # token axis, [k | k], [u | 0], [init | I], for one document: kernels +7.9 / +7.2 / +7.5% of the 512 / 2k / 8k
+    # prefill against +5.6 / +5.5 / +5.2% for the two launches; removed)
+    t, s_n = _stages_transitions(st, k, reuse, 2 * r)[1::2], final[1::2]
     return o, s_n, t, s_n - t @ s_w
 
 
