@@ -72,22 +72,12 @@ def _digest_of(a: np.ndarray) -> str:
 
 def _ids_array(ids: tuple, vocab_size: int) -> np.ndarray | None:
     """The ids as an int64 array if every one is an int (not a bool) in [0, vocab_size), else None; checked
-    in C: numpy infers int64 only where every element is an integer (a float, a string, None or an integer
-    past int64 give another dtype), then finds the range; where numpy picks another integer width,
-    array('q') decides (integers only). bool is an int subclass that both take as 0 / 1, so where 0 or 1
-    occur the exact type test decides. (1,600 ids: ~60 us by np.array against ~100 us by array('q').)"""
+    in C: array('q') takes integers only (a float, a string or None raise), numpy finds the range. bool is an
+    int subclass that array('q') takes as 0 / 1, so where 0 or 1 occur the exact type test decides (a prompt
+    of 32k ids: ~1 ms instead of ~3)."""
     try:
-        a = np.array(ids)
-    except (ValueError, TypeError, OverflowError):        # ragged nesting and the like
-        return None
-    if a.dtype != np.int64:
-        if a.dtype.kind not in "iu":
-            return None
-        try:
-            a = np.frombuffer(array("q", ids), dtype=np.int64)
-        except (TypeError, OverflowError):
-            return None
-    if a.ndim != 1:
+        a = np.frombuffer(array("q", ids), dtype=np.int64)
+    except (TypeError, OverflowError):
         return None
     if a.min() < 0 or a.max() >= vocab_size:
         return None
