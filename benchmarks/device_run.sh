@@ -3,6 +3,7 @@
 #   bash benchmarks/device_run.sh check          GPU correctness (benchmarks/gpu_check.py)
 #   bash benchmarks/device_run.sh bench [ARGS]   the 35B benchmark (benchmarks/gpu_bench.py ARGS)
 #   bash benchmarks/device_run.sh tests [ARGS]   tests/test_gpu.py with fla's kernels (pytest --gpu-kernels ARGS)
+#   bash benchmarks/device_run.sh transition     one GDN layer's (T, S) share, no model (benchmarks/transition_bench.py)
 # Logs and JSON go to $OUT (the device tool brings them back) and benchmarks/results/.
 set -o pipefail
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -14,6 +15,7 @@ what=$1; shift
 case $what in
   check) python3 benchmarks/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log" ;;
   bench) python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log" ;;
+  transition) python3 benchmarks/transition_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/transition_bench.log" ;;
   tests) python3 -m pytest -q tests/test_gpu.py --gpu-kernels "$@" 2>&1 | tee "$OUT/test_gpu.log" ;;
   both) python3 benchmarks/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log";
         python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log" ;;

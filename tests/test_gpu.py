@@ -77,6 +77,28 @@ def test_fla_transition_stages_match_reference():
 
 @cuda
 @pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
+def test_transition_kernel_matches_fla_and_reference():
+    """The runs' transitions from the forward's WY factors (ops/triton_transition.py) against fla's chunk-state pass
+    from the identity (the form before H200 run 43) and the fp32 reference: both read the same bf16 keys and WY
+    factors; fla's pass multiplies by bf16 copies of the state, ours by tf32 roundings of it (8x finer), so ours is
+    no farther from the reference than fla's (plus 1e-4 for the reference's own fp32 rounding), and the two agree
+    within bf16 state rounding (2e-2, the bound of the chunk checks). Square and non-square heads, GQA."""
+    for dv in (32, 64):
+        q, k, v, gate, beta, init, cu = _gdn_inputs([70, 200, 1, 700], seed=7, dv=dv)
+        kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, initial_state=init)
+        want = ref.chunk_gated_delta_transition(q.float(), k.float(), v.float(), **kw)[2]
+        got = fast.chunk_gated_delta_transition(q, k, v, **kw)[2]
+        assert "transitions" not in fast.FAILED
+        fast.TRANSITION_KERNEL = False
+        try:
+            old = fast.chunk_gated_delta_transition(q, k, v, **kw)[2]
+        finally:
+            fast.TRANSITION_KERNEL = True
+        assert rel(got, old) < 2e-2 and rel(got, want) <= rel(old, want) + 1e-4, (dv, rel(got, want), rel(old, want))
+
+
+@cuda
+@pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
 @pytest.mark.parametrize("lens,seams", [([70, 200, 129], [8, 8, 5]), ([40, 300], [8, 64]), ([9], [8])])
 def test_fla_isolated_prefill_matches_reference(lens, seams):
     """An isolated prefill's linear layer in one pass on fla's stages (every sequence cut after its seam window
@@ -629,6 +651,40 @@ for nk, ne in ((0, 8), (8, 256), (37, 5), (1800, 256), (4096, 64)):
     order, offs = triton_route.sort_by_expert(flat, ne)
     assert torch.equal(order, flat.argsort(stable=True)), nk
     assert torch.equal(offs, torch.bincount(flat, minlength=ne).cumsum(0).to(torch.int32)), nk
+from hypic.ops import triton_transition                # runs' transitions from their chunks' WY factors
+from hypic.ops.reference.gated_delta import _ut_system
+import math
+lens_t, h_t, hv_t, dk_t, C = [3, 70, 130, 64], 2, 4, 32, 64
+n_t = sum(lens_t)
+k_t = torch.nn.functional.normalize(torch.randn(1, n_t, h_t, dk_t, dtype=torch.float64), dim=-1)
+beta_t = torch.rand(1, n_t, hv_t, dtype=torch.float64)
+g_t = torch.empty(1, n_t, hv_t, dtype=torch.float64).uniform_(math.log(0.9), math.log(0.999))
+kh_t = k_t.repeat_interleave(hv_t // h_t, dim=2)
+w_t, gc_t, want_t, a = torch.zeros(1, n_t, hv_t, dk_t, dtype=torch.float64), torch.zeros(1, n_t, hv_t, dtype=torch.float64), [], 0
+eye_t = torch.eye(dk_t, dtype=torch.float64)
+for L in lens_t:
+    T_ = eye_t.expand(hv_t, dk_t, dk_t).clone()                  # the sequential product of the token maps
+    for t in range(a, a + L):
+        kt = kh_t[0, t]
+        T_ = g_t[0, t].exp()[:, None, None] * (eye_t - beta_t[0, t][:, None, None] * kt[:, :, None] * kt[:, None, :]) @ T_
+    want_t.append(T_)
+    for c0 in range(a, a + L, C):                                # fla's WY factors and log2 decays, chunk by chunk
+        c1 = min(c0 + C, a + L)
+        kc, gch, bc = kh_t[0, c0:c1].transpose(0, 1), g_t[0, c0:c1].transpose(0, 1), beta_t[0, c0:c1].transpose(0, 1)
+        G, _, system = _ut_system(kc, gch, bc)
+        w_t[0, c0:c1] = torch.linalg.solve_triangular(system, (bc * G.exp())[..., None] * kc, upper=False,
+                                                      unitriangular=True).transpose(0, 1)
+        gc_t[0, c0:c1] = (G / math.log(2)).transpose(0, 1)
+    a += L
+want_t = torch.stack(want_t)
+cu_t = torch.tensor([0] + lens_t).cumsum(0)
+bounds_t = torch.stack([cu_t[:-1], cu_t[1:]], 1).to(torch.int32).contiguous()
+for cfg in ((32, 4, 1), (16, 4, 1)):
+    got = triton_transition.transitions(k_t.float(), w_t.float(), gc_t.float(), bounds_t, config=cfg)
+    assert rel(got, want_t) < 1e-6, cfg
+got = triton_transition.transitions(k_t.float(), w_t.float(), gc_t.float(), bounds_t[[1, 3]].contiguous(),
+                                    config=(32, 4, 1))
+assert rel(got, want_t[[1, 3]]) < 1e-6
 from hypic.ops.triton_conv import gathered_conv
 src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
 w, b = torch.randn(300, 4), torch.randn(300)

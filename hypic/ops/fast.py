@@ -105,7 +105,8 @@ _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": 
             "chunk_summary": ("triton_summary", "chunk_summary"),
             "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps"),
             "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows"),
-            "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert")}
+            "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert"),
+            "transitions": ("triton_transition", "transitions")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
@@ -311,14 +312,35 @@ def _stages_forward(st, q, k, v, g, beta, scale, cu_cpu, init):
     h, v_new, final = fwd_h(k=k, w=w, u=u, g=gc, initial_state=init, output_final_state=True, cu_seqlens=cu,
                             chunk_indices=chunks)
     o = fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu, chunk_indices=chunks)
-    return o.to(v.dtype), final, (w, gc, cu, chunks)
+    return o.to(v.dtype), final, (w, gc, cu, chunks, cu_cpu)
 
 
-def _stages_transitions(st, k, reuse, r: int):
-    """Each run's transition T [R, HV, K, K]: fla's chunk-state pass once more over the forward's w, with zero
-    values, from the identity (zeros and identity cached read-only per shape)."""
+TRANSITION_KERNEL = True      # False: the transitions by fla's chunk-state pass from the identity (before run 43)
+
+
+def _stages_transitions(st, k, reuse, r: int, step: int = 1, first: int = 0):
+    """The transitions T [., HV, K, K] of the forward's runs first, first + step, ... (of r): from the forward's
+    WY factors w and decays by ops/triton_transition.py (only T written, only these runs walked); where that
+    kernel cannot run, fla's chunk-state pass once more over w, with zero values, from the identity (zeros and
+    identity cached read-only per shape), for every run."""
+    w, gc, cu, chunks, cu_cpu = reuse
+    kern = triton_kernel("transitions") if TRANSITION_KERNEL and cu_cpu is not None and k.shape[0] == 1 else None
+    if kern is not None:
+        def make():
+            b = cu_cpu.tolist()
+            pairs = [(b[i], b[i + 1]) for i in range(first, r, step)]
+            return torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(k.device, non_blocking=True)
+
+        bounds = _layout(("bounds", tuple(cu_cpu.tolist()), first, step, str(k.device)), make)
+        try:
+            return kern(k, w, gc, bounds)
+        except Exception as err:
+            kernel_failed("transitions", err)
+    return _fla_transitions(st, k, w, gc, cu, chunks, r)[first::step]
+
+
+def _fla_transitions(st, k, w, gc, cu, chunks, r: int):
     fwd_h = st[4]
-    w, gc, cu, chunks = reuse
     dk, hv = k.shape[-1], w.shape[-2]
     key = (tuple(w.shape), r, str(k.device), w.dtype)
     zi = _ZEROS.get(key)
@@ -389,7 +411,7 @@ def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=Non
     # 3. the rests' transitions (a second launch: H200 run 41 made them in the state pass's own launch over a doubled
     # token axis, [k | k], [u | 0], [init | I], for one document: kernels +7.9 / +7.2 / +7.5% of the 512 / 2k / 8k
     # prefill against +5.6 / +5.5 / +5.2% for the two launches; removed)
-    t, s_n = _stages_transitions(st, k, reuse, 2 * r)[1::2], final[1::2]
+    t, s_n = _stages_transitions(st, k, reuse, 2 * r, step=2, first=1), final[1::2]
     return o, s_n, t, s_n - t @ s_w
 
 

@@ -1,0 +1,107 @@
+"""Triton kernel: the transitions T of whole runs of the gated delta rule from their chunks' WY factors (CUDA; tests
+run it in Triton's interpreter).
+
+An isolated prefill caches each segment's rest (the tokens after its seam window) with its transition T, the state
+map of its tokens: S_out = T S_in + S. fla's chunked forward already made, per chunk of 64 tokens, the WY factor w
+(the chunk's "keys to subtract", w = (I + A)^-1 diag(beta e^G) K) and the chunk-local cumulative log2 decays G. With
+zero values, the chunk-state recursion from the identity gives T:
+
+    X <- I (the columns of this program's block); per chunk c of the run:
+        V_c = -(W_c X) * 2^(G_last - G_t)    (rows past the run's end masked to zero)
+        X   = 2^(G_last) X + K_c^T V_c
+    T = X at the run's end.
+
+That is what fla's chunk-state kernel computes when called with zero values and the identity as the initial state
+(the form before H200 run 43: `fast._stages_transitions`' second pass). That kernel also stores every chunk's state
+(for its outputs stage; here nothing reads them: at 8k tokens 134 MB per layer) and multiplies by bf16 copies of
+the state. Here nothing but T is written, the products take the fp32 state in tf32 (8x finer than bf16), the
+programs walk only the runs asked for (an isolated prefill's rests, not its seam pieces), and the block of state
+columns per program is tuned (smaller blocks: more programs for one document's few heads).
+
+Imported lazily (ops/fast.py): importing it needs triton, which CPU machines may lack.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tuning import tuned_config
+
+
+@triton.jit
+def _chunk(X, t0, eos, k, w, g, hv, hk, rk, mk, rt, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+           BT: tl.constexpr, PREC: tl.constexpr):
+    tt = t0 + rt
+    mt = tt < eos
+    m2 = mt[:, None] & mk[None, :]
+    bw = tl.load(w + (tt[:, None] * HV + hv) * K + rk[None, :], mask=m2, other=0.0).to(tl.float32)     # [BT, BK]
+    bk = tl.load(k + (tt[:, None] * H + hk) * K + rk[None, :], mask=m2, other=0.0).to(tl.float32)      # [BT, BK]
+    last = tl.minimum(t0 + BT, eos) - 1
+    gl = tl.load(g + last * HV + hv).to(tl.float32)
+    gt = tl.load(g + tt * HV + hv, mask=mt, other=0.0).to(tl.float32)
+    vn = -tl.dot(bw, X, input_precision=PREC)                                                           # [BT, BV]
+    vn = vn * tl.where(mt, tl.exp2(gl - gt), 0.0)[:, None]
+    return tl.dot(tl.trans(bk), vn, X * tl.exp2(gl), input_precision=PREC)
+
+
+@triton.jit
+def _transition_kernel(k, w, g, bounds, out, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
+    r = tl.program_id(0)
+    hv = tl.program_id(1)
+    cb = tl.program_id(2)
+    hk = hv // (HV // H)
+    bos = tl.load(bounds + 2 * r).to(tl.int64)
+    eos = tl.load(bounds + 2 * r + 1).to(tl.int64)
+    rk = tl.arange(0, BK)
+    cols = cb * BV + tl.arange(0, BV)
+    mk = rk < K
+    rt = tl.arange(0, BT)
+    X = tl.where(rk[:, None] == cols[None, :], 1.0, 0.0)                      # [BK, BV]: the identity's columns
+    if STAGES > 1:                  # a pipelined loop (Triton's interpreter cannot range over loaded bounds)
+        for t0 in tl.range(bos, eos, BT, num_stages=STAGES):
+            X = _chunk(X, t0, eos, k, w, g, hv, hk, rk, mk, rt, H, HV, K, BT, PREC)
+    else:
+        t0 = bos
+        while t0 < eos:
+            X = _chunk(X, t0, eos, k, w, g, hv, hk, rk, mk, rt, H, HV, K, BT, PREC)
+            t0 += BT
+    dst = out + ((r * HV + hv) * K + rk[:, None]).to(tl.int64) * K + cols[None, :]
+    tl.store(dst, X, mask=mk[:, None] & (cols < K)[None, :])
+
+
+# (column block, warps, pipeline stages) tried on a shape's first call; the first is the default
+_CONFIGS = ((32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 4, 1), (16, 2, 2), (32, 8, 2))
+TUNED: dict = {}
+
+
+def transitions(k: torch.Tensor, w: torch.Tensor, g: torch.Tensor, bounds: torch.Tensor, *, chunk: int = 64,
+                config: tuple | None = None, precision: str = "tf32") -> torch.Tensor:
+    """k [1, N, H, K] (the l2-normalised keys fla's stages took), w [1, N, HV, K] (fla's WY factors), g [1, N, HV]
+    (fla's chunk-local cumulative decays, log2), bounds [R, 2] int32 (device): run r is tokens bounds[r, 0] ..
+    bounds[r, 1] - 1, whose chunks of `chunk` tokens start at its first token (as fla's varlen layout chunks
+    every sequence) -> T [R, HV, K, K] fp32. config: (column block, warps, stages), else the tuned one."""
+    _, n, h, dk = k.shape
+    hv = w.shape[2]
+    if w.shape != (1, n, hv, dk) or g.shape != (1, n, hv) or hv % h:
+        raise ValueError(f"shapes do not fit: k {tuple(k.shape)}, w {tuple(w.shape)}, g {tuple(g.shape)}")
+    k, w, g = k.contiguous(), w.contiguous(), g.contiguous()
+    r = bounds.shape[0]
+    out = torch.empty((r, hv, dk, dk), dtype=torch.float32, device=k.device)
+    if r == 0:
+        return out
+    bk = max(16, triton.next_power_of_2(dk))
+
+    def launch(cfg):
+        bv, warps, stages = cfg
+        _transition_kernel[(r, hv, triton.cdiv(dk, bv))](k, w, g, bounds, out, H=h, HV=hv, K=dk, BK=bk, BV=bv, BT=chunk,
+                                                          PREC=precision, STAGES=stages, num_warps=warps)
+
+    if config is None:
+        # tuned per (runs, heads, K): the runs' lengths change from call to call and do not change the ranking much
+        config = tuned_config(TUNED, (min(r, 8), h, hv, dk, precision), _CONFIGS, k.device, launch, out,
+                              _CONFIGS[0] if k.is_cuda else (32, 4, 1), 1e-5)
+    launch(config)
+    return out
