@@ -259,7 +259,8 @@ def ts_rows(model, ids, args, res):
     (seam windows, then the rests) with the rest's transition through fla's state passing only
     (fast.chunk_gated_delta_transition); the same with the transition through fla's whole pipeline on appended
     columns (the form of runs 10-19). Then the same for a batch of 20 segments of 1,600 tokens in one forward
-    (what a cold RAG request prefills)."""
+    (what a cold RAG request prefills). one_pass_T_kernel: the one pass with the rests' transitions by
+    ops/triton_transition.py instead of fla's chunk-state pass (fast.TRANSITION_KERNEL; not yet timed in the model)."""
     from hypic.ops import fast as _fast
 
     over = {}
@@ -281,7 +282,15 @@ def ts_rows(model, ids, args, res):
             finally:
                 _fast.TRANSITION_STAGES = True
 
-        forms = {"one_pass": lambda: run(True), "rounds": lambda: run(True, "rounds"), "rounds_appended_columns": appended}
+        def t_kernel():
+            _fast.TRANSITION_KERNEL = True
+            try:
+                run(True)
+            finally:
+                _fast.TRANSITION_KERNEL = False
+
+        forms = {"one_pass": lambda: run(True), "one_pass_T_kernel": t_kernel, "rounds": lambda: run(True, "rounds"),
+                 "rounds_appended_columns": appended}
         e = over[n] = {"plain_s": timed(lambda: run(False), args.reps + 2)[0]}
         for name, fn in forms.items():
             e[f"{name}_s"] = timed(fn, args.reps + 2)[0]

@@ -78,8 +78,8 @@ def test_fla_transition_stages_match_reference():
 @cuda
 @pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
 def test_transition_kernel_matches_fla_and_reference():
-    """The runs' transitions from the forward's WY factors (ops/triton_transition.py) against fla's chunk-state pass
-    from the identity (the form before H200 run 43) and the fp32 reference: both read the same bf16 keys and WY
+    """The runs' transitions from the forward's WY factors (ops/triton_transition.py, fast.TRANSITION_KERNEL) against
+    fla's chunk-state pass from the identity (the default) and the fp32 reference: both read the same bf16 keys and WY
     factors; fla's pass multiplies by bf16 copies of the state, ours by tf32 roundings of it (8x finer), so ours is
     no farther from the reference than fla's (plus 1e-4 for the reference's own fp32 rounding), and the two agree
     within bf16 state rounding (2e-2, the bound of the chunk checks). Square and non-square heads, GQA."""
@@ -87,13 +87,13 @@ def test_transition_kernel_matches_fla_and_reference():
         q, k, v, gate, beta, init, cu = _gdn_inputs([70, 200, 1, 700], seed=7, dv=dv)
         kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, initial_state=init)
         want = ref.chunk_gated_delta_transition(q.float(), k.float(), v.float(), **kw)[2]
-        got = fast.chunk_gated_delta_transition(q, k, v, **kw)[2]
-        assert "transitions" not in fast.FAILED
-        fast.TRANSITION_KERNEL = False
+        fast.TRANSITION_KERNEL = True
         try:
-            old = fast.chunk_gated_delta_transition(q, k, v, **kw)[2]
+            got = fast.chunk_gated_delta_transition(q, k, v, **kw)[2]
         finally:
-            fast.TRANSITION_KERNEL = True
+            fast.TRANSITION_KERNEL = False
+        assert "transitions" not in fast.FAILED
+        old = fast.chunk_gated_delta_transition(q, k, v, **kw)[2]
         assert rel(got, old) < 2e-2 and rel(got, want) <= rel(old, want) + 1e-4, (dv, rel(got, want), rel(old, want))
 
 

@@ -315,7 +315,12 @@ def _stages_forward(st, q, k, v, g, beta, scale, cu_cpu, init):
     return o.to(v.dtype), final, (w, gc, cu, chunks, cu_cpu)
 
 
-TRANSITION_KERNEL = True      # False: the transitions by fla's chunk-state pass from the identity (before run 43)
+# The runs' transitions by ops/triton_transition.py (True) or by fla's chunk-state pass from the identity (False).
+# Off: H200 run 43 (benchmarks/transition_bench.py, one GDN layer, 35B head shapes) timed the kernel at ~70-79 us
+# per call at 512 and 2k tokens against ~220 us for fla's pass (both host-bound there: fla's Python path), but at 8k,
+# where the GPU sets the time, 329 against <= 212 us (its tf32 products of fp32 operands against fla's bf16 ones,
+# and its first-tuned configuration unpipelined). Not yet timed inside the model (gpu_bench's (T, S) rows).
+TRANSITION_KERNEL = False
 
 
 def _stages_transitions(st, k, reuse, r: int, step: int = 1, first: int = 0):

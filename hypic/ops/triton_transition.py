@@ -12,7 +12,7 @@ zero values, the chunk-state recursion from the identity gives T:
     T = X at the run's end.
 
 That is what fla's chunk-state kernel computes when called with zero values and the identity as the initial state
-(the form before H200 run 43: `fast._stages_transitions`' second pass). That kernel also stores every chunk's state
+(`fast._fla_transitions`, the default: see fast.TRANSITION_KERNEL for what H200 run 43 measured). That kernel also stores every chunk's state
 (for its outputs stage; here nothing reads them: at 8k tokens 134 MB per layer) and multiplies by bf16 copies of
 the state. Here nothing but T is written, the products take the fp32 state in tf32 (8x finer than bf16), the
 programs walk only the runs asked for (an isolated prefill's rests, not its seam pieces), and the block of state
@@ -100,8 +100,10 @@ def transitions(k: torch.Tensor, w: torch.Tensor, g: torch.Tensor, bounds: torch
                                                           PREC=precision, STAGES=stages, num_warps=warps)
 
     if config is None:
-        # tuned per (runs, heads, K): the runs' lengths change from call to call and do not change the ranking much
-        config = tuned_config(TUNED, (min(r, 8), h, hv, dk, precision), _CONFIGS, k.device, launch, out,
-                              _CONFIGS[0] if k.is_cuda else (32, 4, 1), 1e-5)
+        # tuned per (runs, heads, K, power-of-two bucket of the tokens per run): a short run's timing is the host's
+        # launch time (H200 run 43 tuned at 504 tokens and kept an unpipelined configuration for 8k)
+        per_run = max(1, n // r)
+        config = tuned_config(TUNED, (min(r, 8), h, hv, dk, per_run.bit_length(), precision), _CONFIGS, k.device,
+                              launch, out, _CONFIGS[0] if k.is_cuda else (32, 4, 1), 1e-5)
     launch(config)
     return out
