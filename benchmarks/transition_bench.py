@@ -86,6 +86,8 @@ def main() -> None:
         w, gc, cu_d, chunks, _ = reuse
         bounds = torch.tensor([[seam, n]], dtype=torch.int32, device=dev)
         e["T_kernel_ms"] = timed(lambda: triton_transition.transitions(kk, w, gc, bounds), args.reps, args.inner)
+        e["T_kernel_tf32_ms"] = timed(lambda: triton_transition.transitions(kk, w, gc, bounds, precision="tf32"),
+                                      args.reps, args.inner)
         e["T_fla_ms"] = timed(lambda: fast._fla_transitions(st, kk, w, gc, cu_d, chunks, 2), args.reps, args.inner)
         t_new = triton_transition.transitions(kk, w, gc, bounds)
         t_old = fast._fla_transitions(st, kk, w, gc, cu_d, chunks, 2)[1::2]
@@ -98,11 +100,13 @@ def main() -> None:
         rows[n] = e
     print("(times per call, CUDA events over back-to-back calls: where the host is slower than the GPU they are the "
           "host's)")
-    print("| tokens | plain layer | isolated (T kernel) | isolated (fla T) | T kernel | fla T pass | T rel diff |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens | plain layer | isolated (T kernel) | isolated (fla T) | T kernel (bf16) | T kernel (tf32) | fla T pass "
+          "| T rel diff |")
+    print("|---|---|---|---|---|---|---|---|")
     for n, e in rows.items():
         print(f"| {n} | {e['plain_ms'] * 1e3:.0f} us | {e['isolated_ms'] * 1e3:.0f} us ({e['overhead'] * 100:+.0f}%) | "
               f"{e['isolated_fla_T_ms'] * 1e3:.0f} us ({e['overhead_fla_T'] * 100:+.0f}%) | {e['T_kernel_ms'] * 1e3:.0f} us | "
+              f"{e['T_kernel_tf32_ms'] * 1e3:.0f} us | "
               f"{e['T_fla_ms'] * 1e3:.0f} us | {e['T_rel_diff'] if e['T_rel_diff'] is None else format(e['T_rel_diff'], '.1e')} |")
     print("tuned:", {str(k): v[0] for k, v in triton_transition.TUNED.items()})
     out = Path(args.out)

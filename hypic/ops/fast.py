@@ -319,7 +319,8 @@ def _stages_forward(st, q, k, v, g, beta, scale, cu_cpu, init):
 # Off: H200 run 43 (benchmarks/transition_bench.py, one GDN layer, 35B head shapes) timed the kernel at ~70-79 us
 # per call at 512 and 2k tokens against ~220 us for fla's pass (both host-bound there: fla's Python path), but at 8k,
 # where the GPU sets the time, 329 against <= 212 us (its tf32 products of fp32 operands against fla's bf16 ones,
-# and its first-tuned configuration unpipelined). Not yet timed inside the model (gpu_bench's (T, S) rows).
+# and its first-tuned configuration unpipelined). Since then its products take bf16 copies of the state as fla's do,
+# and it is tuned per length bucket: not yet timed (benchmarks/transition_bench.py, gpu_bench's (T, S) rows).
 TRANSITION_KERNEL = False
 
 
