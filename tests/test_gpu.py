@@ -53,6 +53,13 @@ def test_fla_gated_delta_rule_matches_reference():
     o0, s0 = ref.chunk_gated_delta_rule(q.float(), k.float(), v.float(), **kw)
     o1, s1 = fast.chunk_gated_delta_rule(q, k, v, **kw)
     assert rel(o1, o0) < 2e-2 and rel(s1, s0) < 2e-2          # bf16 operands (gpu_check.py's bound)
+    # fla's stages called one by one (the default) against its chunk function: the same kernels in the same order
+    fast.CHUNK_BY_STAGES = False
+    try:
+        o2, s2 = fast.chunk_gated_delta_rule(q, k, v, **kw)
+    finally:
+        fast.CHUNK_BY_STAGES = True
+    assert rel(o1, o2) < 1e-6 and rel(s1, s2) < 1e-6
 
 
 @cuda

@@ -58,14 +58,17 @@ def _fla_conv():
 
 @functools.lru_cache(maxsize=None)
 def _fla_norms():
-    """fla-core's fused norm and gate kernels (rms_norm, rms_norm_gated, fused_gdn_gate), or None."""
+    """fla-core's fused norm and gate kernels, or None: the forward functions behind its autograd wrappers
+    (layer_norm_fwd, layer_norm_gated_fwd, gdn_gate_fwd; rms_norm, rms_norm_gated and fused_gdn_gate call these
+    after an autograd Function and a decorator that makes every argument contiguous: H200 run 40's profile of an
+    eager prefill had ~0.2 ms of CPU per call in those wrappers, with the profiler's own cost)."""
     try:
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated
-        from fla.modules.norm.layernorm import rms_norm
-        from fla.ops.gated_delta_rule.gate import fused_gdn_gate
+        from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
+        from fla.modules.norm.layernorm import layer_norm_fwd
+        from fla.ops.gated_delta_rule.gate import gdn_gate_fwd
     except Exception:
         return None
-    return rms_norm, rms_norm_gated, fused_gdn_gate
+    return layer_norm_fwd, layer_norm_gated_fwd, gdn_gate_fwd
 
 
 FUSED_NORMS = True       # False: the norms and the gate in their reference form (gpu_bench's side-by-side variant)
@@ -76,12 +79,17 @@ def _norm_kernels(*ts):
     return _fla_norms() if FUSED_NORMS and ts[0].is_cuda and not needs_grad(*ts) else None
 
 
+def _rows(x):
+    """x as contiguous rows [N, D] (fla's forward functions index by row)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
 def rms_norm(x, weight, eps):
     """The reference signature (ops/reference/norm.py) in one fla kernel: fp32 inside, one rounding."""
     k = _norm_kernels(x, weight)
     if k is None:
         return ref.rms_norm(x, weight, eps)
-    return k[0](x, weight, None, eps=eps)
+    return k[0](_rows(x), weight.contiguous(), None, eps, is_rms_norm=True)[0].view(x.shape)
 
 
 def rms_norm_gated(x, gate, weight, eps, activation):
@@ -89,7 +97,9 @@ def rms_norm_gated(x, gate, weight, eps, activation):
     k = _norm_kernels(x, gate, weight)
     if k is None:
         return ref.rms_norm_gated(x, gate, weight, eps, activation)
-    return k[1](x, gate, weight, None, activation="swish" if activation == "silu" else activation, eps=eps)
+    y = k[1](x=_rows(x), g=_rows(gate), weight=weight.contiguous(), bias=None,
+             activation="swish" if activation == "silu" else activation, eps=eps, is_rms_norm=True)[0]
+    return y.view(x.shape)
 
 
 def gdn_gate(a, a_log, dt_bias):
@@ -97,7 +107,8 @@ def gdn_gate(a, a_log, dt_bias):
     k = _norm_kernels(a, a_log, dt_bias)
     if k is None:
         return ref.gdn_gate(a, a_log, dt_bias)
-    return k[2](a, a_log, dt_bias, output_dtype=torch.float32)
+    return k[2](g=a.contiguous(), A_log=a_log.contiguous(), dt_bias=None if dt_bias is None else dt_bias.contiguous(),
+                output_dtype=torch.float32)
 
 
 # this backend's own Triton kernels (module, function under hypic.ops), each with a PyTorch form beside it
@@ -236,6 +247,9 @@ def pin_layouts() -> list:
     return list(_LAYOUTS.values())
 
 
+CHUNK_BY_STAGES = True    # False: the plain chunked forward through fla's chunk_gated_delta_rule (before run 44)
+
+
 def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                  use_qk_l2norm_in_kernel):
     """fla's chunk (which=0) or fused recurrent (which=1) kernel on CUDA, else the reference twin. Under
@@ -247,6 +261,15 @@ def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_fina
         fn = (ref.chunk_gated_delta_rule, ref.recurrent_gated_delta_rule)[which]
         return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    st = _fla_stages() if which == 0 and CHUNK_BY_STAGES else None
+    if st is not None:
+        # the stages fla's chunk function runs (cumsum, WY factors, chunk states, outputs), without its autograd
+        # wrapper (H200 run 40's profile of an eager prefill: ~1.45 ms of CPU per call through the wrapper)
+        q, k, v, beta, scale = _stages_prepare(st, q, k, v, beta, scale, use_qk_l2norm_in_kernel)
+        init = None if initial_state is None else initial_state.float().contiguous()
+        o, final, _ = _stages_forward(st, q, k, v, g, beta, scale,
+                                      None if cu_seqlens is None else cu_seqlens.cpu(), init)
+        return o, (final if output_final_state else None)
     if which == 1 and cu_seqlens is not None and cu_seqlens.is_cuda:
         cu, extra = cu_seqlens, {}             # device lengths (the captured compose pass): the kernel reads them
     else:
