@@ -10,6 +10,13 @@ set -o pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# Triton's autotuning results of an earlier call (fla's kernels keep them on disk), carried as
+# .data/triton_autotune.tar: a fresh machine compiles each kernel's chosen configuration only. Saved to $OUT at the end.
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .data/triton_autotune.tar ] && tar -xf .data/triton_autotune.tar -C "$TRITON_CACHE_DIR"
+save_autotune() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -cf "$OUT/triton_autotune.tar" -T -); }
+trap save_autotune EXIT
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 what=$1; shift
 case $what in
