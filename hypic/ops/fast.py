@@ -428,9 +428,13 @@ def chunk_gated_delta_isolated(q, k, v, g, beta, *, cu_seqlens, seams, scale=Non
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     q, k, v, beta, scale = _stages_prepare(st, q, k, v, beta, scale, use_qk_l2norm_in_kernel)
     r = len(seams)
-    # 1. the seam windows
-    idx = torch.cat([torch.arange(a, a + sw) for a, sw in zip(bounds[:-1], seams)]).to(q.device, non_blocking=True)
-    _, s_w = recurrent_gated_delta_rule(q[:, idx], k[:, idx], v[:, idx], g[:, idx], beta[:, idx], scale=scale,
+    # 1. the seam windows (one sequence: its first rows as they lie; several: gathered)
+    if r == 1:
+        idx = slice(bounds[0], bounds[0] + seams[0])
+    else:
+        idx = _layout(("seam rows", tuple(bounds), tuple(seams), str(q.device)), lambda: torch.cat(
+            [torch.arange(a, a + sw) for a, sw in zip(bounds[:-1], seams)]).to(q.device, non_blocking=True))
+    _, s_w = recurrent_gated_delta_rule(*(t[:, idx].contiguous() for t in (q, k, v, g, beta)), scale=scale,
                                         output_final_state=True, cu_seqlens=torch.tensor([0] + list(seams)).cumsum(0))
     # 2. the cut layout: pieces alternate seam, rest
     split = [x for a, sw in zip(bounds[:-1], seams) for x in (a, a + sw)] + [bounds[-1]]
