@@ -296,3 +296,23 @@ def test_pieces_filled_just_before_each_runs(hf_checkpoints):
     b = cuts(n, 3)
     want = [e for i in range(3) for e in (("fill", b[i], b[i + 1]), ("run", b[i], b[i + 1]))]
     assert comp.replays >= 1 and events == want
+
+
+def test_rotary_into_equals_rotary():
+    """Rotary.apply_into (the compose pass writes cached keys as placed straight into its keys buffer) gives apply's
+    result bit for bit: the same products and sums in the same roundings, in bf16 and fp32, partial and full."""
+    from hypic.config import ModelConfig
+    from hypic.layers.rope import Rotary
+    from hypic.models.presets import preset_config
+
+    cfg = ModelConfig.from_dict(preset_config("tiny-qwen3.5-moe"))
+    g = torch.Generator().manual_seed(0)
+    for rdim, d in ((16, 64), (64, 64)):
+        rot = Rotary(cfg, rdim, {"rope_type": "default", "rope_theta": 10000.0})
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(37, 3, d, generator=g).to(dtype)
+            pos = torch.randint(0, 1 << 20, (37,), generator=g)
+            cos, sin = rot.cos_sin(pos, dtype)
+            out = torch.full_like(x, float("nan"))
+            rot.apply_into(x, cos, sin, out)
+            assert torch.equal(out, rot.apply(x, cos, sin)), (rdim, dtype)

@@ -45,6 +45,15 @@ class AttentionMixer(nn.Module):
     def place_queries(self, q: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return q
 
+    def places_keys(self) -> bool:
+        """Whether a key as attended depends on its position (RoPE): a cached segment's keys are then placed at
+        every pass; else (NoPE) they are attended as cached."""
+        return False
+
+    def place_keys_into(self, k: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, batch, key=None) -> None:
+        """place_keys(k, ...) written into out."""
+        out.copy_(self.place_keys(k, positions, batch, key))
+
     def output(self, x, out, extra):
         raise NotImplementedError
 
@@ -92,9 +101,16 @@ class AttentionMixer(nn.Module):
         return True
 
     def compose_buffers(self, shape, device, dtype, shared: dict) -> dict:
+        """The pass's keys and values as attended, one buffer each, in the order [held | cached | active]: the
+        fill writes the held keys and values and the cached values in place, the pass its active tokens' and the
+        cached keys as placed (RoPE: from the fill's position-free copy `k`; NoPE: `k` is their place itself), so
+        nothing is concatenated per pass."""
         z = lambda n, d: torch.zeros(n, self.num_kv_heads, d, dtype=dtype, device=device)  # noqa: E731
-        return dict(k=z(shape.keys, self.key_dim), v=z(shape.keys, self.value_dim),
-                    hk=z(shape.held, self.key_dim), hv=z(shape.held, self.value_dim))
+        p, kc = shape.held, shape.keys
+        keys, values = z(p + kc + shape.tokens, self.key_dim), z(p + kc + shape.tokens, self.value_dim)
+        placed = keys[p : p + kc]
+        return dict(keys=keys, values=values, hk=keys[:p], placed=placed, kt=keys[p + kc :], hv=values[:p],
+                    v=values[p : p + kc], vt=values[p + kc :], k=z(kc, self.key_dim) if self.places_keys() else placed)
 
     def compose_fill(self, buf: dict, low, L: int, copies: list | None = None) -> None:
         """The keys the request holds (as attended), then its cached segments' position-free keys and
@@ -127,9 +143,11 @@ class AttentionMixer(nn.Module):
         buf = c.layers[self.layer_idx]
         q, k_raw, v, extra = self.project(x, batch)
         q = self.place_queries(q, batch.positions, batch)
-        k = self.place_keys(k_raw, batch.positions, batch)
-        kc = self.place_keys(buf["k"], c.kpos, batch, "placed")
-        keys, values = torch.cat([buf["hk"], kc, k]), torch.cat([buf["hv"], buf["v"], v])
+        self.place_keys_into(k_raw, buf["kt"], batch.positions, batch)
+        buf["vt"].copy_(v)
+        if self.places_keys():
+            self.place_keys_into(buf["k"], buf["placed"], c.kpos, batch, "placed")
+        keys, values = buf["keys"], buf["values"]
         c.outputs[self.layer_idx] = (keys, values)
         # attended in position order (keys[kperm]): query i sees the ordered keys 0..qlast[i] (a prefix: the
         # fast kernel walks only the blocks before it), keys no query may see last. Gathered copies, not read
@@ -230,6 +248,18 @@ class RopeAttention(AttentionMixer):
             positions = batch.positions
         cos, sin = self._rope(positions, k.dtype, batch, "rope" if key is None else key)
         return self.rotary[0].apply(k, cos, sin)
+
+    def places_keys(self) -> bool:
+        return self.rotary is not None
+
+    def place_keys_into(self, k, out, positions, batch, key=None):
+        if self.rotary is None:
+            out.copy_(k)
+            return
+        if key is None and batch is not None:
+            positions = batch.positions
+        cos, sin = self._rope(positions, k.dtype, batch, "rope" if key is None else key)
+        self.rotary[0].apply_into(k, cos, sin, out)
 
     def place_queries(self, q, positions, batch):
         if self.rotary is None:

@@ -55,3 +55,14 @@ class Rotary(nn.Module):
         rot = torch.cat([-x2, x1], dim=-1)
         out = xr * cos[:, None, :] + rot * sin[:, None, :]
         return torch.cat([out, xp], dim=-1)
+
+    def apply_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+        """apply(x, cos, sin) written into out [N, H, D] (another tensor), with no rotated or concatenated copy in
+        between: the same products and sums in the same roundings (x1 cos - x2 sin is x1 cos + (-x2) sin exactly;
+        cos and sin repeat their first half), so out equals apply's result bit for bit (tests/test_layers.py)."""
+        r, h = self.rotary_dim, self.rotary_dim // 2
+        c, s = cos[:, None, :h], sin[:, None, :h]
+        x1, x2 = x[..., :h], x[..., h:r]
+        torch.sub(x1 * c, x2 * s, out=out[..., :h])
+        torch.add(x2 * c, x1 * s, out=out[..., h:r])
+        out[..., r:].copy_(x[..., r:])
