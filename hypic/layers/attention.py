@@ -11,12 +11,14 @@ identity for NoPE), optionally `attend`, and `output`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..cache.entry import AttnKV, KVSpan
 from ..config import ModelConfig
 from ..runtime.batch import Apply, ForwardBatch
 from ..runtime.state import KVBuffer, StaticKV
+from .joined import JoinedWeights
 from .norm import RMSNorm
 
 
@@ -285,12 +287,17 @@ class GatedAttention(RopeAttention):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, ops)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, ops)
         self.scale = self.hd ** -0.5
+        self._kv = JoinedWeights()
 
     def project(self, x, batch):
         n = x.shape[0]
         q, gate = self.q_proj(x).view(n, self.nh, 2 * self.hd).chunk(2, dim=-1)
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.hd))
-        return self.q_norm(q), k, self.v_proj(x).view(n, self.num_kv_heads, self.hd), gate
+        if self.k_proj.bias is None and self.v_proj.bias is None:        # keys and values by one GEMM
+            k, v = F.linear(x, self._kv(self.k_proj.weight, self.v_proj.weight)).chunk(2, dim=-1)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.hd))
+        return self.q_norm(q), k, v.view(n, self.num_kv_heads, self.hd), gate
 
     def output(self, x, out, gate):
         n = x.shape[0]

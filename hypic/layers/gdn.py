@@ -9,14 +9,16 @@ so T is a dense K x K matrix per value head, computed with the appended-identity
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..compose.transition import Form, Transition
 from ..config import ModelConfig
+from .joined import JoinedWeights
 from .linear import LinearMixer, dense_summary_kernel
+from .norm import RMSNormGated
 
 SHORT_RUN = 64
-from .norm import RMSNormGated
 
 
 class GatedDeltaNet(LinearMixer):
@@ -37,6 +39,7 @@ class GatedDeltaNet(LinearMixer):
         self.in_proj_z = nn.Linear(hs, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hs, self.hv, bias=False)
         self.in_proj_a = nn.Linear(hs, self.hv, bias=False)
+        self._ab = JoinedWeights()
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False,
                                 padding=self.conv_width - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
@@ -70,8 +73,10 @@ class GatedDeltaNet(LinearMixer):
         return 2 * self.key_dim + self.value_dim
 
     def features(self, x, batch):
-        g = self.ops.gdn_gate(self.in_proj_a(x), self.A_log, self.dt_bias)   # [N, HV] fp32
-        return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(self.in_proj_b(x))}
+        # the decay and write-strength inputs, [HV] each, by one GEMM (layers/joined.py)
+        b, a = F.linear(x, self._ab(self.in_proj_b.weight, self.in_proj_a.weight)).split([self.hv, self.hv], dim=-1)
+        g = self.ops.gdn_gate(a, self.A_log, self.dt_bias)   # [N, HV] fp32
+        return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(b)}
 
     def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None, init_augmented=False,
                max_len=None, factors=False):

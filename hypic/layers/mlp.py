@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .joined import JoinedWeights
 
 
 class MLP(nn.Module):
@@ -46,20 +47,13 @@ class SparseMoe(nn.Module):
         self.experts = Experts(cfg)
         self.shared_expert = MLP(cfg.hidden_size, p.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        self._shared_in = (None, None)
+        self._shared_in = JoinedWeights()
 
     def shared_in(self) -> torch.Tensor:
         """The shared expert's gate and up projections and its gate, [gate_proj | up_proj | shared_expert_gate]
-        as one [2I + 1, H] matrix, so one GEMM reads x for all three (three launches per layer before: on the
-        warm pic request's few hundred rows each is a launch, not work). Made once per version of the three
-        weights; under autograd, each call."""
-        ws = (self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight, self.shared_expert_gate.weight)
-        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
-            return torch.cat(ws)
-        key = tuple((w.data_ptr(), w._version, w.device, w.dtype) for w in ws)
-        if self._shared_in[0] != key:
-            self._shared_in = (key, torch.cat([w.detach() for w in ws]))
-        return self._shared_in[1]
+        as one [2I + 1, H] matrix, so one GEMM reads x for all three (three launches per layer before)."""
+        se = self.shared_expert
+        return self._shared_in(se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight)
 
     def forward(self, x):
         weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk)
