@@ -213,6 +213,26 @@ def test_triton_scan_steps_matches_fp64():
 
 
 @cuda
+def test_triton_decode_attention_matches_reference():
+    """A decode step's split-K attention (ops/triton_decode.py) in bf16 against the fp32 reference over the same bf16
+    inputs, at the 35B model's head shapes with a 32k-slot capacity, lengths from one slot to all: bf16 operands
+    and an fp32 softmax, the bound of the other bf16 attention checks (2e-2)."""
+    pytest.importorskip("triton")
+    from hypic.ops.reference import decode_attention as ref_decode
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    b, h, hkv, cap, d = 8, 16, 2, 32768, 256
+    q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
+    k = torch.randn(b, hkv, cap, d, device="cuda", generator=g).bfloat16()
+    v = torch.randn(b, hkv, cap, d, device="cuda", generator=g).bfloat16()
+    lengths = torch.tensor([1, 2, 63, 64, 65, 4000, 32767, 32768], device="cuda")
+    got = fast.decode_attention(q, k, v, lengths, scale=d ** -0.5)
+    assert "decode" not in fast.FAILED
+    want = ref_decode(q.float(), k.float(), v.float(), lengths, scale=d ** -0.5)
+    assert rel(got, want) < 2e-2
+
+
+@cuda
 def test_triton_position_attention_matches_reference():
     """bf16 operands, fp32 softmax: the bound of the other bf16 attention checks (gpu_check.py)."""
     pytest.importorskip("triton")
@@ -705,6 +725,16 @@ got = triton_transition.transitions(k_t.float(), w_t.float(), gc_t.float(), boun
                                     config=(32, 4, 1), precision="tf32")
 assert rel(got, want_t[[1, 3]]) < 1e-6
 # (the default "bf16" form is checked on the GPU only: Triton 3.6's interpreter multiplies bf16 blocks wrongly)
+from hypic.ops import triton_decode                    # a decode step's attention, split over the slots
+from hypic.ops.reference import decode_attention as ref_decode
+for b, h, hkv, cap, d, dv, lens in ((3, 6, 2, 300, 32, 16, [1, 300, 150]), (1, 4, 4, 70, 16, 16, [70])):
+    q = torch.randn(b, h, d)
+    kk = torch.randn(b, hkv, cap + 5, d)[:, :, :cap]           # strided, as the decode buffers' capacity leaves them
+    vv = torch.randn(b, hkv, cap, dv)
+    o0 = ref_decode(q.double(), kk.double(), vv.double(), torch.tensor(lens), scale=0.3)
+    for splits in (None, 1, 3):
+        o1 = triton_decode.decode_attention(q, kk, vv, torch.tensor(lens), scale=0.3, block_n=16, splits=splits)
+        assert rel(o1, o0) < 1e-6, (b, splits)
 from hypic.ops.triton_conv import gathered_conv
 src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
 w, b = torch.randn(300, 4), torch.randn(300)

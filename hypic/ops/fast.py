@@ -117,7 +117,7 @@ _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": 
             "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps"),
             "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows"),
             "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert"),
-            "transitions": ("triton_transition", "transitions")}
+            "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
@@ -575,9 +575,17 @@ def _scaled_scores(a, b, scale: float):
 
 
 def decode_attention(q, k, v, lengths, *, scale: float):
-    """The reference signature without a host sync (CUDA-graph safe): every sequence's scores over
-    all C slots in two batched GEMMs, the slots past its length masked. GQA folded into the query
-    axis; [B, Hkv, C, D] keys make k^T a view, so nothing is copied."""
+    """The reference signature without a host sync (CUDA-graph safe). In bf16 / fp16 where Triton runs: the
+    split-K kernel of ops/triton_decode.py over each sequence's valid slots. Else every sequence's scores over
+    all C slots in two batched GEMMs, the slots past its length masked; GQA folded into the query axis;
+    [B, Hkv, C, D] keys make k^T a view, so nothing is copied."""
+    kern = triton_kernel("decode", q, k, v) if triton_here(q) and (
+        q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) else None
+    if kern is not None:
+        try:
+            return kern(q, k, v, lengths, scale=scale)
+        except Exception as err:
+            kernel_failed("decode", err)
     b, h, d = q.shape
     hkv, cap, dv = k.shape[1], k.shape[2], v.shape[-1]
     if h % hkv:
