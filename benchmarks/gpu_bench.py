@@ -21,6 +21,7 @@ Prints a table, writes benchmarks/results/gpu_bench.json (or --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -48,6 +49,17 @@ DEV = "cuda"
 def sync():
     if DEV == "cuda":
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def flagged(mod, name: str, value):
+    """A module switch (e.g. ops/fast.py's) set to value for the block, restored after it."""
+    old = getattr(mod, name)
+    setattr(mod, name, value)
+    try:
+        yield
+    finally:
+        setattr(mod, name, old)
 
 
 def timed(fn, reps: int, warm: int = 1):
@@ -276,18 +288,12 @@ def ts_rows(model, ids, args, res):
             model(b.build(walk=walk))
 
         def appended():
-            _fast.TRANSITION_STAGES = False
-            try:
+            with flagged(_fast, "TRANSITION_STAGES", False):
                 run(True, "rounds")
-            finally:
-                _fast.TRANSITION_STAGES = True
 
         def t_kernel():
-            _fast.TRANSITION_KERNEL = True
-            try:
+            with flagged(_fast, "TRANSITION_KERNEL", True):
                 run(True)
-            finally:
-                _fast.TRANSITION_KERNEL = False
 
         forms = {"one_pass": lambda: run(True), "one_pass_T_kernel": t_kernel, "rounds": lambda: run(True, "rounds"),
                  "rounds_appended_columns": appended}
@@ -554,11 +560,8 @@ def main():
         # 256 experts top 8) a one-ulp nudge of one element per token's embedding gave logits 0.33 apart and 57%
         # argmax agreement, and changed the top-8 set of 89% of the tokens by layer 8 (docs/gpu-notes.md)
         from hypic.ops import fast as _fast
-        _fast.FUSED_NORMS, fused = False, _fast.FUSED_NORMS
-        try:
+        with flagged(_fast, "FUSED_NORMS", False):
             lu = llm.next_token_logits(p_cmp).float().cpu()
-        finally:
-            _fast.FUSED_NORMS = fused
         eager_ts = []
         for r in range(args.reps + 2):
             order = order_a[:]

@@ -299,8 +299,9 @@ def test_pieces_filled_just_before_each_runs(hf_checkpoints):
 
 
 def test_rotary_into_equals_rotary():
-    """Rotary.apply_into (the compose pass writes cached keys as placed straight into its keys buffer) gives apply's
-    result bit for bit: the same products and sums in the same roundings, in bf16 and fp32, partial and full."""
+    """Rotary.apply_into (the compose pass writes cached keys as placed straight into its keys buffer; apply goes
+    through it too) gives the rotate-half form's result bit for bit: the same products and sums in the same
+    roundings, in bf16 and fp32, partial and full."""
     from hypic.config import ModelConfig
     from hypic.layers.rope import Rotary
     from hypic.models.presets import preset_config
@@ -315,4 +316,8 @@ def test_rotary_into_equals_rotary():
             cos, sin = rot.cos_sin(pos, dtype)
             out = torch.full_like(x, float("nan"))
             rot.apply_into(x, cos, sin, out)
-            assert torch.equal(out, rot.apply(x, cos, sin)), (rdim, dtype)
+            xr, xp = x[..., :rdim], x[..., rdim:]                    # the rotate-half form, written out
+            x1, x2 = xr[..., : rdim // 2], xr[..., rdim // 2 :]
+            want = torch.cat([xr * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None], xp], -1)
+            assert torch.equal(out, want), (rdim, dtype)
+            assert torch.equal(rot.apply(x, cos, sin), want), (rdim, dtype)

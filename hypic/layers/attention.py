@@ -246,10 +246,14 @@ class RopeAttention(AttentionMixer):
     def place_keys(self, k, positions, batch, key=None):
         if self.rotary is None:
             return k
+        cos, sin = self._key_rope(k, positions, batch, key)
+        return self.rotary[0].apply(k, cos, sin)
+
+    def _key_rope(self, k, positions, batch, key):
+        """cos, sin for keys at `positions` (the batch's own where key is None; else cached under key)."""
         if key is None and batch is not None:
             positions = batch.positions
-        cos, sin = self._rope(positions, k.dtype, batch, "rope" if key is None else key)
-        return self.rotary[0].apply(k, cos, sin)
+        return self._rope(positions, k.dtype, batch, "rope" if key is None else key)
 
     def places_keys(self) -> bool:
         return self.rotary is not None
@@ -258,9 +262,7 @@ class RopeAttention(AttentionMixer):
         if self.rotary is None:
             out.copy_(k)
             return
-        if key is None and batch is not None:
-            positions = batch.positions
-        cos, sin = self._rope(positions, k.dtype, batch, "rope" if key is None else key)
+        cos, sin = self._key_rope(k, positions, batch, key)
         self.rotary[0].apply_into(k, cos, sin, out)
 
     def place_queries(self, q, positions, batch):

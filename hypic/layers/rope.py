@@ -48,7 +48,8 @@ class Rotary(nn.Module):
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [N, H, D]; rotates the first rotary_dim dims of every head."""
+        """x [N, H, D]; rotates the first rotary_dim dims of every head. (Differentiable: the PIC trainer runs it
+        under autograd, which apply_into's out= products do not support.)"""
         r = self.rotary_dim
         xr, xp = x[..., :r], x[..., r:]
         x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
@@ -57,9 +58,10 @@ class Rotary(nn.Module):
         return torch.cat([out, xp], dim=-1)
 
     def apply_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
-        """apply(x, cos, sin) written into out [N, H, D] (another tensor), with no rotated or concatenated copy in
-        between: the same products and sums in the same roundings (x1 cos - x2 sin is x1 cos + (-x2) sin exactly;
-        cos and sin repeat their first half), so out equals apply's result bit for bit (tests/test_layers.py)."""
+        """apply(x, cos, sin) written into out [N, H, D] (another tensor, e.g. a slice of the compose pass's keys
+        buffer; no autograd), with no rotated or concatenated copy in between. The same products and sums in the
+        same roundings as apply's rotate-half form (x1 cos - x2 sin is x1 cos + (-x2) sin exactly; cos and sin
+        repeat their first half): equal to it bit for bit (tests/test_compose_graph.py)."""
         r, h = self.rotary_dim, self.rotary_dim // 2
         c, s = cos[:, None, :h], sin[:, None, :h]
         x1, x2 = x[..., :h], x[..., h:r]

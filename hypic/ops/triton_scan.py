@@ -243,8 +243,8 @@ def _sm_count(device) -> int:
 # (value block, warps, pipeline stages) tried on a shape's first eager call; the first is the run-12 default.
 # (At 8 warps the factored, corrected step-table kernel uses 255 registers and spills: run 30, 60 values with
 # the loads first, 34 in order of use. H200 run 40 held the state in two halves of K and multiplied by quarters of
-# T, a quarter's tf32x3 split at a time: 363 against 296 us per layer, removed. 16 warps, tried in run 31, hit an illegal memory access in the factored
-# scan on the H200 (Triton 3.6), not investigated: not tried.)
+# T, a quarter's tf32x3 split at a time: 363 against 296 us per layer, removed. 16 warps, tried in run 31, hit an
+# illegal memory access in the factored scan on the H200 (Triton 3.6), not investigated: not tried.)
 _CONFIGS = ((32, 8, 1), (64, 8, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 2))
 TUNED: dict = {}              # shape key -> (bv, warps, stages), with the timings (benchmarks print them)
 
