@@ -355,12 +355,13 @@ def _stages_transitions(st, k, reuse, r: int, step: int = 1, first: int = 0):
     w, gc, cu, chunks, cu_cpu = reuse
     kern = triton_kernel("transitions") if TRANSITION_KERNEL and cu_cpu is not None and k.shape[0] == 1 else None
     if kern is not None:
+        b = tuple(cu_cpu.tolist())
+
         def make():
-            b = cu_cpu.tolist()
             pairs = [(b[i], b[i + 1]) for i in range(first, r, step)]
             return torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(k.device, non_blocking=True)
 
-        bounds = _layout(("bounds", tuple(cu_cpu.tolist()), first, step, str(k.device)), make)
+        bounds = _layout(("bounds", b, first, step, str(k.device)), make)
         try:
             return kern(k, w, gc, bounds)
         except Exception as err:
