@@ -425,6 +425,7 @@ def main():
     ap.add_argument("--all-variants", action="store_true", help="also the compose variants of runs 16-19")
     ap.add_argument("--ts-first", action="store_true", help="the (T, S) rows first (then the rest)")
     ap.add_argument("--ts-only", action="store_true", help="only the (T, S) rows")
+    ap.add_argument("--skip-ts", action="store_true", help="no (T, S) rows (a call of its own: --ts-only)")
     ap.add_argument("--profile-ts", action="store_true", help="profiler tables of the isolated prefill rows")
     args = ap.parse_args()
     global DEV
@@ -680,7 +681,7 @@ def main():
     llm.clear_cache()
     (torch.cuda.empty_cache() if DEV == 'cuda' else None)
 
-    over = res.get("ts_overhead") or ts_rows(model, ids, args, res)
+    over = res.get("ts_overhead") or ({} if args.skip_ts else ts_rows(model, ids, args, res))
 
     # -- table -----------------------------------------------------------------------------------------
     print("\n| measurement | hypic | peer | ratio | bar |")

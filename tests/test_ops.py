@@ -217,3 +217,28 @@ def test_varlen_equals_separate_sequences_every_family(family):
         oi, si = run(rec, sl, initial_state=s0[i : i + 1], output_final_state=True)
         torch.testing.assert_close(o[:, sl], oi, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(s[i : i + 1], si, atol=2e-5, rtol=1e-5)
+
+
+def test_joined_weights_equal_separate_projections_and_pad_rows():
+    """layers/joined.py: one GEMM over [w_1; w_2; w_3; 0] gives each projection (fp64: the same dot products, so
+    equal to rounding), the joined matrix padded to a multiple of ROWS_MULTIPLE rows (the shared expert's 2I + 1
+    rows), cached per weight version, and under autograd the gradients reach the parts."""
+    from hypic.layers.joined import ROWS_MULTIPLE, JoinedWeights
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 24, generator=g, dtype=torch.float64)
+    ws = [torch.randn(r, 24, generator=g, dtype=torch.float64) for r in (8, 8, 1)]
+    j = JoinedWeights()
+    w = j.weight(*ws)
+    assert w.shape[0] % ROWS_MULTIPLE == 0 and w.shape[0] >= 17 and not w[17:].any()
+    outs = j.linear(x, *ws)
+    assert [o.shape for o in outs] == [(5, 8), (5, 8), (5, 1)]
+    for o, wi in zip(outs, ws):
+        torch.testing.assert_close(o, F.linear(x, wi), rtol=1e-12, atol=1e-12)
+    assert j.weight(*ws) is w                       # cached while the parts are unchanged
+    ws[2].add_(1.0)
+    assert j.weight(*ws) is not w and torch.equal(j.weight(*ws)[16], ws[2][0])
+    p = [wi.clone().requires_grad_() for wi in ws]
+    sum(o.sum() for o in j.linear(x, *p)).backward()
+    for pi in p:
+        torch.testing.assert_close(pi.grad, x.sum(0).expand_as(pi))

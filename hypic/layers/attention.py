@@ -11,7 +11,6 @@ identity for NoPE), optionally `attend`, and `output`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache.entry import AttnKV, KVSpan
@@ -295,7 +294,7 @@ class GatedAttention(RopeAttention):
         n = x.shape[0]
         q, gate = self.q_proj(x).view(n, self.nh, 2 * self.hd).chunk(2, dim=-1)
         if self.k_proj.bias is None and self.v_proj.bias is None:        # keys and values by one GEMM
-            k, v = F.linear(x, self._kv(self.k_proj.weight, self.v_proj.weight)).chunk(2, dim=-1)
+            k, v = self._kv.linear(x, self.k_proj.weight, self.v_proj.weight)
         else:
             k, v = self.k_proj(x), self.v_proj(x)
         k = self.k_norm(k.view(n, self.num_kv_heads, self.hd))

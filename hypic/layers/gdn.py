@@ -9,7 +9,6 @@ so T is a dense K x K matrix per value head, computed with the appended-identity
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..compose.transition import Form, Transition
@@ -74,7 +73,7 @@ class GatedDeltaNet(LinearMixer):
 
     def features(self, x, batch):
         # the decay and write-strength inputs, [HV] each, by one GEMM (layers/joined.py)
-        b, a = F.linear(x, self._ab(self.in_proj_b.weight, self.in_proj_a.weight)).split([self.hv, self.hv], dim=-1)
+        b, a = self._ab.linear(x, self.in_proj_b.weight, self.in_proj_a.weight)
         g = self.ops.gdn_gate(a, self.A_log, self.dt_bias)   # [N, HV] fp32
         return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(b)}
 

@@ -49,11 +49,11 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self._shared_in = JoinedWeights()
 
-    def shared_in(self) -> torch.Tensor:
-        """The shared expert's gate and up projections and its gate, [gate_proj | up_proj | shared_expert_gate]
-        as one [2I + 1, H] matrix, so one GEMM reads x for all three (three launches per layer before)."""
+    def shared_in(self, x) -> tuple:
+        """The shared expert's gate and up projections and its gate of x by one GEMM (three launches per layer
+        before): [gate_proj | up_proj | shared_expert_gate] as one matrix (layers/joined.py)."""
         se = self.shared_expert
-        return self._shared_in(se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight)
+        return self._shared_in.linear(x, se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight)
 
     def forward(self, x):
         weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk)
@@ -61,6 +61,5 @@ class SparseMoe(nn.Module):
         se = self.shared_expert
         if se.gate_proj.bias is not None or se.up_proj.bias is not None:
             return y + torch.sigmoid(self.shared_expert_gate(x)) * se(x)
-        i = se.gate_proj.out_features
-        gate, up, sg = F.linear(x, self.shared_in()).split([i, i, 1], dim=-1)
+        gate, up, sg = self.shared_in(x)
         return y + torch.sigmoid(sg) * se.down_proj(F.silu(gate) * up)
