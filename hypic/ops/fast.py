@@ -339,11 +339,11 @@ def _stages_forward(st, q, k, v, g, beta, scale, cu_cpu, init):
 
 
 # The runs' transitions by ops/triton_transition.py (True) or by fla's chunk-state pass from the identity (False).
-# Off: H200 run 43 (benchmarks/transition_bench.py, one GDN layer, 35B head shapes) timed the kernel at ~70-79 us
-# per call at 512 and 2k tokens against ~220 us for fla's pass (both host-bound there: fla's Python path), but at 8k,
-# where the GPU sets the time, 329 against <= 212 us (its tf32 products of fp32 operands against fla's bf16 ones,
-# and its first-tuned configuration unpipelined). Since then its products take bf16 copies of the state as fla's do,
-# and it is tuned per length bucket: not yet timed (benchmarks/transition_bench.py, gpu_bench's (T, S) rows).
+# H200 run 48 (benchmarks/transition_bench.py, one GDN layer, 35B head shapes, bf16 products as fla's): 57 / 44 / 172
+# us per call at 512 / 2k / 8k tokens against 156 / 123 / 258 us for fla's pass (host-bound at 512 and 2k; at 8k the
+# GPU sets the time). Its unpipelined configuration faulted in runs 44-46 and is gone. Still off until gpu_bench's
+# (T, S) rows have run it inside the model (the form one_pass_T_kernel): a fault there would poison the process's
+# CUDA context, which no fallback recovers.
 TRANSITION_KERNEL = False
 
 
