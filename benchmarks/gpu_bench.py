@@ -348,7 +348,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("runs_T_factored", flag(_linear, "RUN_FACTORS", True), {}),          # the default of runs 27-32
                 ("moe_grouped_mm", flag(_fast, "MOE_FEW_ROWS", False), {}),           # before run 33
                 ("norms_unfused", flag(_fast, "FUSED_NORMS", False), {}),             # before run 38
-                ("route_by_torch", flag(_fast, "ROUTE_KERNELS", False), {})]          # before run 38
+                ("route_by_torch", flag(_fast, "ROUTE_KERNELS", False), {}),          # before run 38
+                ("head_norms_by_fla", flag(_fast, "NORM_ROWS", False), {})]           # before run 49
     from hypic.runtime import compose_graph as _cg
 
     # the graph in one piece (the whole fill, then one launch, as before run 34); a short first piece

@@ -340,7 +340,9 @@ def test_triton_route_and_sort_match_reference():
 @cuda
 @pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
 def test_fused_norms_and_gate_match_reference():
-    """fla's fused norm and gate kernels behind the fast backend against the reference ops (the same arithmetic:
+    """The fast backend's fused norm kernels (ops/triton_norm.py for per-head widths <= 512, the default, and fla's
+    for every width; for <= 512 also the l2 norm of the chunked forward) and fla's gate kernel against the
+    reference ops (the same arithmetic:
     fp32 inside, one rounding): bf16 outputs within one bf16 ulp of the reference's (the reductions' order is
     all that differs, ~1e-7 relative before the rounding); the gate in fp32 within 1e-5 relative plus
     5e-7 * A absolute per element: fla's softplus is log(1 + e^x) through the hardware's approximate exp2 and
@@ -365,10 +367,18 @@ def test_fused_norms_and_gate_match_reference():
         x = torch.randn(n, d, device="cuda", generator=g).bfloat16() * 3
         gate = torch.randn(n, d, device="cuda", generator=g).bfloat16()
         w = 1 + 0.1 * torch.randn(d, device="cuda", generator=g)
-        assert ulps(fast.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)) <= 1, (n, d)
-        for act in ("silu", "sigmoid"):
-            assert ulps(fast.rms_norm_gated(x, gate, w.bfloat16(), 1e-6, act),
-                        ref.rms_norm_gated(x, gate, w.bfloat16(), 1e-6, act)) <= 1, (n, d, act)
+        for own in (True, False):          # widths <= 512: ops/triton_norm.py (default) and fla's kernels
+            fast.NORM_ROWS = own
+            try:
+                assert ulps(fast.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)) <= 1, (n, d, own)
+                for act in ("silu", "sigmoid"):
+                    assert ulps(fast.rms_norm_gated(x, gate, w.bfloat16(), 1e-6, act),
+                                ref.rms_norm_gated(x, gate, w.bfloat16(), 1e-6, act)) <= 1, (n, d, act, own)
+                if d <= 512:               # the l2 norm of the chunked forward's queries and keys
+                    assert ulps(fast._l2norm(fast._fla_stages()[0], x), ref.l2norm(x.float()).bfloat16()) <= 1
+            finally:
+                fast.NORM_ROWS = True
+        assert "norm" not in fast.FAILED
         hv = 32
         a = torch.randn(n, hv, device="cuda", generator=g).bfloat16() * 4
         a_log = torch.empty(hv, device="cuda").uniform_(0.01, 16.0, generator=g).log()
@@ -735,6 +745,17 @@ for b, h, hkv, cap, d, dv, lens in ((3, 6, 2, 300, 32, 16, [1, 300, 150]), (1, 4
     for splits in (None, 1, 3):
         o1 = triton_decode.decode_attention(q, kk, vv, torch.tensor(lens), scale=0.3, block_n=16, splits=splits)
         assert rel(o1, o0) < 1e-6, (b, splits)
+from hypic.ops.triton_norm import norm_rows
+from hypic.ops.reference import rms_norm as ref_rms, rms_norm_gated as ref_rms_gated
+from hypic.ops.reference.gated_delta import l2norm as ref_l2
+for d in (256, 128, 20):                       # per-head widths; rows not a multiple of a program's block
+    x, gt, wt = torch.randn(37, 3, d), torch.randn(37, 3, d), torch.randn(d)
+    assert rel(norm_rows(x, wt, 1e-6), ref_rms(x.double(), wt.double(), 1e-6)) < 1e-6
+    for act in ("silu", "sigmoid"):
+        y0 = ref_rms_gated(x.double(), gt.double(), wt.double(), 1e-6, act)
+        assert rel(norm_rows(x, wt, 1e-6, gate=gt, activation=act), y0) < 1e-6
+    assert rel(norm_rows(x, None, 1e-6, l2=True), ref_l2(x.double())) < 1e-6
+    assert norm_rows(x[:0], wt, 1e-6).shape == (0, 3, d)
 from hypic.ops.triton_conv import gathered_conv
 src, idx = torch.randn(50, 300), torch.randint(0, 50, (9, 4))
 w, b = torch.randn(300, 4), torch.randn(300)

@@ -84,8 +84,35 @@ def _rows(x):
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+NORM_ROWS = True         # False: the per-head norms by fla's kernels too (gpu_bench's side-by-side variant)
+_NORM_MAX_WIDTH = 512     # ops/triton_norm.py's MAX_WIDTH (that module needs triton to import)
+
+
+def _row_norm_kernel(x, *ts):
+    """ops/triton_norm.py for rows of at most 512 columns (the per-head norms), where a Triton kernel may run:
+    fla's kernels for these widths compile and tune again for every bucket of the row count (the module's
+    docstring); None elsewhere."""
+    if not (NORM_ROWS and FUSED_NORMS and x.shape[-1] <= _NORM_MAX_WIDTH and triton_here(x)):
+        return None
+    return triton_kernel("norm", x, *ts)
+
+
+def _norm_rows(kern, name, *args, **kw):
+    try:
+        return kern(*args, **kw)
+    except Exception as err:
+        kernel_failed(name, err)
+        return None
+
+
 def rms_norm(x, weight, eps):
-    """The reference signature (ops/reference/norm.py) in one fla kernel: fp32 inside, one rounding."""
+    """The reference signature (ops/reference/norm.py) in one kernel: fp32 inside, one rounding. Per-head widths
+    (<= 512) by ops/triton_norm.py, wider rows by fla's."""
+    kern = _row_norm_kernel(x, weight)
+    if kern is not None:
+        y = _norm_rows(kern, "norm", x, weight, eps)
+        if y is not None:
+            return y
     k = _norm_kernels(x, weight)
     if k is None:
         return ref.rms_norm(x, weight, eps)
@@ -93,7 +120,12 @@ def rms_norm(x, weight, eps):
 
 
 def rms_norm_gated(x, gate, weight, eps, activation):
-    """The reference signature in one fla kernel (norm, weight, gate's activation, product, rounding)."""
+    """The reference signature in one kernel (norm, weight, gate's activation, product, rounding)."""
+    kern = _row_norm_kernel(x, gate, weight)
+    if kern is not None:
+        y = _norm_rows(kern, "norm", x, weight, eps, gate=gate, activation=activation)
+        if y is not None:
+            return y
     k = _norm_kernels(x, gate, weight)
     if k is None:
         return ref.rms_norm_gated(x, gate, weight, eps, activation)
@@ -117,7 +149,8 @@ _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": 
             "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps"),
             "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows"),
             "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert"),
-            "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention")}
+            "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention"),
+            "norm": ("triton_norm", "norm_rows")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
@@ -321,8 +354,19 @@ def _stages_prepare(st, q, k, v, beta, scale, use_qk_l2norm_in_kernel):
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+        q, k = _l2norm(l2norm_fwd, q), _l2norm(l2norm_fwd, k)
     return q, k, v, beta, scale
+
+
+def _l2norm(l2norm_fwd, x):
+    """fla's l2 norm (eps 1e-6), by ops/triton_norm.py where its width allows (fla's tunes again for every
+    65,536 rows)."""
+    kern = _row_norm_kernel(x)
+    if kern is not None:
+        y = _norm_rows(kern, "norm", x, None, 1e-6, l2=True)
+        if y is not None:
+            return y
+    return l2norm_fwd(x)[0]
 
 
 def _stages_forward(st, q, k, v, g, beta, scale, cu_cpu, init):
