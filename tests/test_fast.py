@@ -233,3 +233,26 @@ def test_prefix_continuation_takes_the_ordered_path(hf_checkpoints, monkeypatch)
     seen.clear()
     LLM(str(path), cache_mode="pic", seam=4).generate([p], sp)
     assert not any(c and nq < nk for c, nq, nk in seen if nq > 1)   # placed segments: the masked path
+
+
+def test_device_fault_is_raised_not_skipped(monkeypatch):
+    """A kernel that faulted on the device (the CUDA context is lost) raises with the kernel's name, from the
+    tuner (which skips only configurations that cannot be built) and from kernel_failed (no PyTorch form can run
+    after it); a build failure is still skipped / recorded."""
+    from hypic.ops import fast, tuning
+
+    fault = RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+    assert tuning.is_device_fault(fault) and not tuning.is_device_fault(RuntimeError("out of resource: shared memory"))
+
+    def launch(cfg):
+        raise fault
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        tuning.tuned_config({}, "k", [(1,), (2,)], torch.device("cuda"), launch, torch.zeros(1), (1,), 1e-5)
+    monkeypatch.setattr(fast, "FAILED", set())
+    with pytest.raises(RuntimeError, match="'transitions' faulted on the device"):
+        fast.kernel_failed("transitions", fault)
+    assert "transitions" not in fast.FAILED
+    fast.kernel_failed("transitions", RuntimeError("out of resource: shared memory"))
+    assert "transitions" in fast.FAILED

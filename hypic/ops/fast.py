@@ -34,6 +34,7 @@ from .reference import (  # noqa: F401  (re-exported: same names as the referenc
     causal_conv1d, chunk_gla, chunk_kda, chunk_simple_gla, recurrent_gla, recurrent_kda, recurrent_simple_gla,
     route_grouped_sigmoid,
 )
+from .tuning import is_device_fault
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,7 +173,12 @@ def triton_kernel(name: str, *tensors):
 
 def kernel_failed(name: str, e: Exception) -> None:
     """A kernel that a GPU / Triton cannot build (resources, a compiler error): its PyTorch form runs from
-    now on. Inside a CUDA graph capture the error propagates (the composer then runs its buffers eagerly)."""
+    now on. Inside a CUDA graph capture the error propagates (the composer then runs its buffers eagerly). A
+    fault of a kernel that ran (ops/tuning.is_device_fault) has lost the process's CUDA context, so no PyTorch
+    form can run after it: it raises, naming the kernel."""
+    if is_device_fault(e):
+        raise RuntimeError(f"Triton kernel {name!r} faulted on the device; this process's CUDA context is lost "
+                           f"({type(e).__name__}: {e})") from e
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise e
     logging.getLogger("hypic.ops").warning("Triton kernel %r unavailable (%s: %s); its PyTorch form instead", name,

@@ -7,11 +7,21 @@ from __future__ import annotations
 import torch
 
 
+def is_device_fault(e: BaseException) -> bool:
+    """A fault of a kernel that ran (an illegal address, a trap), not a configuration that failed to build: the
+    process's CUDA context is lost, so no other configuration and no fallback can run after it (H200 runs 44-46:
+    the transition kernel's unpipelined build; the tuner used to skip it and fail later, far from the cause)."""
+    text = str(e)
+    return "illegal memory access" in text or "illegal instruction" in text or "device-side assert" in text \
+        or "unspecified launch failure" in text
+
+
 def tuned_config(table: dict, key, configs, device, launch, out: torch.Tensor, fallback, rel_tol: float):
     """The fastest of `configs` for this shape key, timed once (3 launches each after a first that compiles)
     and remembered in table[key] = (config, {config: ms}). A configuration whose output differs from the first
     one's by more than rel_tol (relative norm: a broken build, not rounding) is never chosen; one that cannot be
-    built is skipped. Off CUDA, or while a CUDA graph is being captured (no timing there), the fallback."""
+    built is skipped; one that faults on the device raises (is_device_fault). Off CUDA, or while a CUDA graph is
+    being captured (no timing there), the fallback."""
     hit = table.get(key)
     if hit is not None:
         return hit[0]
@@ -32,7 +42,9 @@ def tuned_config(table: dict, key, configs, device, launch, out: torch.Tensor, f
             b.record()
             b.synchronize()
             times[cfg] = a.elapsed_time(b) / 3
-        except Exception:  # a configuration this GPU / Triton cannot build: skipped
+        except Exception as e:  # a configuration this GPU / Triton cannot build: skipped
+            if is_device_fault(e):
+                raise
             continue
     if not times:
         return fallback
