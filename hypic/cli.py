@@ -114,6 +114,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.cache_mode, seam=a.seam,
               load_format=a.load_format, seed=a.seed, max_segments=a.max_segments)
+    if a.warmup == "on" or (a.warmup == "auto" and llm.config.device.startswith("cuda")):
+        times = llm.warmup(tokens=a.warmup_tokens)
+        print("hypic: warm-up " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()), flush=True)
     config = ServerConfig(
         model_name=a.served_model_name or a.model, api_key=a.api_key, separator=a.separator,
         default_max_tokens=a.default_max_tokens,
@@ -161,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     s.add_argument("--default-max-tokens", type=int, default=1024)
     s.add_argument("--log-level", default="warning")
+    s.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
+                   help="run the engine's paths once before serving (LLM.warmup), so the first requests do not "
+                        "compile and tune kernels; auto: on for CUDA")
+    s.add_argument("--warmup-tokens", type=int, default=2048)
     s.set_defaults(fn=cmd_serve)
     a = ap.parse_args(argv)
     try:

@@ -194,3 +194,21 @@ def test_segment_digests_made_while_validating_equal_the_plain_digest(tiny):
     plan = tiny.engine.planner.plan(tp, tiny.policy)
     keys = [s.key.tokens for s in plan.slots if s.key is not None]      # (a segment within the seam has none)
     assert keys == [tokens_digest(s) for s in segs if len(s) > tiny.policy.seam] and len(keys) >= 2
+
+
+def test_warmup_runs_every_mode_and_leaves_no_trace():
+    """LLM.warmup (hypic serve runs it before serving on CUDA): full, pic (cold, then reordered) and prefix requests
+    on made-up ids; afterwards the caches are empty with zeroed counters, the policy is the one set before, and the
+    engine answers as a fresh one does."""
+    llm = LLM("tiny-qwen3.5", cache_mode="prefix", seam=2)
+    times = llm.warmup(tokens=256, segments=3, decode_tokens=2)
+    assert set(times) == {"full", "pic", "prefix"} and all(t > 0 for t in times.values())
+    assert llm.cache_mode == "prefix" and llm.policy.seam == 2
+    for s in llm.cache_stats().values():
+        assert s["entries"] == 0 and s["hits"] == 0 and s["misses"] == 0 and s["insertions"] == 0
+    sp = SamplingParams(max_tokens=4, return_logits=True)
+    fresh = LLM("tiny-qwen3.5", cache_mode="prefix", seam=2)
+    a, b = llm.generate([_good()], sp)[0], fresh.generate([_good()], sp)[0]
+    assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
+    with pytest.raises(InvalidRequestError, match="warm-up needs"):
+        llm.warmup(tokens=8, segments=3)

@@ -41,5 +41,5 @@ class PrefixCache:
     def insert(self, node: PrefixNode) -> bool:
         return self.store.put(node.key, node)
 
-    def clear(self) -> None:
-        self.store.clear()
+    def clear(self, counters: bool = False) -> None:
+        self.store.clear(counters)
