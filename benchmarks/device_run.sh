@@ -33,7 +33,8 @@ case $what in
   bench) python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log" ;;
   transition) python3 benchmarks/transition_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/transition_bench.log" ;;
   probe) python3 benchmarks/transition_probe.py --out "$OUT" "$@" 2>&1 | tee "$OUT/transition_probe.log" ;;
-  tests) python3 -m pytest -q tests/test_gpu.py --gpu-kernels "$@" 2>&1 | tee "$OUT/test_gpu.log" ;;
+  tests) echo "== pytest $*" >> "$OUT/test_gpu.log"        # appended: several test calls in one device call
+         python3 -m pytest -q tests/test_gpu.py --gpu-kernels "$@" 2>&1 | tee -a "$OUT/test_gpu.log" ;;
   both) python3 benchmarks/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log";
         python3 benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log" ;;
 esac
