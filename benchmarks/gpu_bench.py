@@ -338,13 +338,13 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     except ImportError:                          # the CPU dry run without triton
         _ts = None
 
-    def flag(mod, name, value):
-        old = getattr(mod, name)
-        return (lambda: setattr(mod, name, value)), (lambda: setattr(mod, name, old))
+    def flag(mod, name, value):                 # a variant's switch: a context manager per use
+        return lambda: flagged(mod, name, value)
 
     from hypic.ops import fast as _fast
 
-    variants = [("default", (lambda: None, lambda: None), {}),
+    nop = contextlib.nullcontext
+    variants = [("default", nop, {}),
                 ("runs_T_factored", flag(_linear, "RUN_FACTORS", True), {}),          # the default of runs 27-32
                 ("moe_grouped_mm", flag(_fast, "MOE_FEW_ROWS", False), {}),           # before run 33
                 ("norms_unfused", flag(_fast, "FUSED_NORMS", False), {}),             # before run 38
@@ -353,7 +353,6 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     from hypic.runtime import compose_graph as _cg
 
     # the graph in one piece (the whole fill, then one launch, as before run 34); a short first piece
-    nop = (lambda: None, lambda: None)
     variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (1,) if p != comp.pieces]
     variants += [(f"first_piece_{f}_layers", nop, {"first": f}) for f in (1,) if f != comp.first_piece]
     if args.all_variants:           # decided in runs 19-37 (docs/benchmarks.md)
@@ -365,17 +364,16 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in tuned.items()}
     composers = {}
     model = llm.engine.model
-    for name, (setup, undo), kw in variants:
+    for name, switch, kw in variants:
         c = comp if name == "default" else GraphCompose(model, comp.device, comp.dtype, graphs=comp.graphs,
                                                          pieces=kw.get("pieces", comp.pieces),
                                                          first_piece=kw.get("first", comp.first_piece))
-        setup()
         llm.engine.composer = c
         try:
-            for r in range(3):                       # planned walk, capture, replay
-                ttft(Prompt(segments=[segs[i] for i in order_a[r:] + order_a[:r]], query=query))
+            with switch():
+                for r in range(3):                   # planned walk, capture, replay
+                    ttft(Prompt(segments=[segs[i] for i in order_a[r:] + order_a[:r]], query=query))
         finally:
-            undo()
             llm.engine.composer = comp
         composers[name] = c
     var_ts = {name: [] for name, *_ in variants}
@@ -384,13 +382,12 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         random.Random(r + 1).shuffle(order)
         p_r = Prompt(segments=[segs[i] for i in order], query=query)
         k = r % len(variants)
-        for name, (setup, undo), kw in variants[k:] + variants[:k]:
-            setup()
+        for name, switch, kw in variants[k:] + variants[:k]:
             llm.engine.composer = composers[name]
             try:
-                var_ts[name].append(ttft(p_r)[0])
+                with switch():
+                    var_ts[name].append(ttft(p_r)[0])
             finally:
-                undo()
                 llm.engine.composer = comp
     for name, *_ in variants:
         rag[f"pic_warm_{name}_interleaved_s"] = statistics.median(var_ts[name])

@@ -183,16 +183,16 @@ class LLM:
         old = self.policy
         times = {}
         try:
-            for name, mode, prompts in (
-                    ("full", "full", [Prompt(query=ids)]),
-                    ("pic", "pic", [Prompt(segments=segs, query=query), Prompt(segments=segs[::-1], query=query)]),
-                    ("prefix", "prefix", [Prompt(segments=segs, query=query), Prompt(segments=segs[:1] + segs[:0:-1],
-                                                                                   query=query)])):
+            for mode, prompts in (
+                    ("full", [Prompt(query=ids)]),
+                    ("pic", [Prompt(segments=segs, query=query), Prompt(segments=segs[::-1], query=query)]),
+                    ("prefix", [Prompt(segments=segs, query=query), Prompt(segments=segs[:1] + segs[:0:-1],
+                                                                           query=query)])):
                 self.set_policy(mode, old.seam)
                 t0 = time.perf_counter()
                 for p in prompts:
                     self.generate([p], sp)
-                times[name] = time.perf_counter() - t0
+                times[mode] = time.perf_counter() - t0
         finally:
             self.set_policy(old.mode.value, old.seam)
             self.clear_cache(counters=True)

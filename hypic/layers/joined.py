@@ -21,13 +21,11 @@ class JoinedWeights:
         self._hit = (None, None)
 
     def weight(self, *ws: torch.Tensor) -> torch.Tensor:
-        pad = -sum(w.shape[0] for w in ws) % ROWS_MULTIPLE
         if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
-            return torch.cat(ws + ((ws[0].new_zeros(pad, ws[0].shape[1]),) if pad else ()))
+            return _padded_cat(list(ws))
         key = tuple((w.data_ptr(), w._version, w.device, w.dtype) for w in ws)
         if self._hit[0] != key:
-            parts = [w.detach() for w in ws] + ([ws[0].new_zeros(pad, ws[0].shape[1])] if pad else [])
-            self._hit = (key, torch.cat(parts))
+            self._hit = (key, _padded_cat([w.detach() for w in ws]))
         return self._hit[1]
 
     def linear(self, x: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -35,6 +33,12 @@ class JoinedWeights:
         y = F.linear(x, self.weight(*ws))
         sizes = [w.shape[0] for w in ws]
         return y.split(sizes + [y.shape[-1] - sum(sizes)], dim=-1)[:len(ws)]
+
+
+def _padded_cat(parts: list) -> torch.Tensor:
+    """[p_1; p_2; ...] with zero rows up to a multiple of ROWS_MULTIPLE."""
+    pad = -sum(p.shape[0] for p in parts) % ROWS_MULTIPLE
+    return torch.cat(parts + [parts[0].new_zeros(pad, parts[0].shape[1])] if pad else parts)
 
 
 __all__ = ["JoinedWeights", "ROWS_MULTIPLE"]

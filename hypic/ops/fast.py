@@ -89,31 +89,29 @@ NORM_ROWS = True         # False: the per-head norms by fla's kernels too (gpu_b
 _NORM_MAX_WIDTH = 512     # ops/triton_norm.py's MAX_WIDTH (that module needs triton to import)
 
 
-def _row_norm_kernel(x, *ts):
-    """ops/triton_norm.py for rows of at most 512 columns (the per-head norms), where a Triton kernel may run:
-    fla's kernels for these widths compile and tune again for every bucket of the row count (the module's
-    docstring); None elsewhere."""
+def _own_norm(x, weight, eps, *ts, **kw):
+    """ops/triton_norm.py's norm_rows(x, weight, eps, **kw) for rows of at most 512 columns (the per-head norms)
+    where a Triton kernel may run (autograd through x, weight and ts: not); None elsewhere, or where it failed to
+    build (fla's kernels for these widths compile and tune again for every bucket of the row count: the module's
+    docstring)."""
     if not (NORM_ROWS and FUSED_NORMS and x.shape[-1] <= _NORM_MAX_WIDTH and triton_here(x)):
         return None
-    return triton_kernel("norm", x, *ts)
-
-
-def _norm_rows(kern, name, *args, **kw):
+    kern = triton_kernel("norm", x, weight, *ts)
+    if kern is None:
+        return None
     try:
-        return kern(*args, **kw)
+        return kern(x, weight, eps, **kw)
     except Exception as err:
-        kernel_failed(name, err)
+        kernel_failed("norm", err)
         return None
 
 
 def rms_norm(x, weight, eps):
     """The reference signature (ops/reference/norm.py) in one kernel: fp32 inside, one rounding. Per-head widths
     (<= 512) by ops/triton_norm.py, wider rows by fla's."""
-    kern = _row_norm_kernel(x, weight)
-    if kern is not None:
-        y = _norm_rows(kern, "norm", x, weight, eps)
-        if y is not None:
-            return y
+    y = _own_norm(x, weight, eps)
+    if y is not None:
+        return y
     k = _norm_kernels(x, weight)
     if k is None:
         return ref.rms_norm(x, weight, eps)
@@ -122,11 +120,9 @@ def rms_norm(x, weight, eps):
 
 def rms_norm_gated(x, gate, weight, eps, activation):
     """The reference signature in one kernel (norm, weight, gate's activation, product, rounding)."""
-    kern = _row_norm_kernel(x, gate, weight)
-    if kern is not None:
-        y = _norm_rows(kern, "norm", x, weight, eps, gate=gate, activation=activation)
-        if y is not None:
-            return y
+    y = _own_norm(x, weight, eps, gate, gate=gate, activation=activation)
+    if y is not None:
+        return y
     k = _norm_kernels(x, gate, weight)
     if k is None:
         return ref.rms_norm_gated(x, gate, weight, eps, activation)
@@ -367,12 +363,8 @@ def _stages_prepare(st, q, k, v, beta, scale, use_qk_l2norm_in_kernel):
 def _l2norm(l2norm_fwd, x):
     """fla's l2 norm (eps 1e-6), by ops/triton_norm.py where its width allows (fla's tunes again for every
     65,536 rows)."""
-    kern = _row_norm_kernel(x)
-    if kern is not None:
-        y = _norm_rows(kern, "norm", x, None, 1e-6, l2=True)
-        if y is not None:
-            return y
-    return l2norm_fwd(x)[0]
+    y = _own_norm(x, None, 1e-6, l2=True)
+    return y if y is not None else l2norm_fwd(x)[0]
 
 
 def _stages_forward(st, q, k, v, g, beta, scale, cu_cpu, init):
