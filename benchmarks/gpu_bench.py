@@ -271,8 +271,8 @@ def ts_rows(model, ids, args, res):
     (seam windows, then the rests) with the rest's transition through fla's state passing only
     (fast.chunk_gated_delta_transition); the same with the transition through fla's whole pipeline on appended
     columns (the form of runs 10-19). Then the same for a batch of 20 segments of 1,600 tokens in one forward
-    (what a cold RAG request prefills). one_pass_T_kernel: the one pass with the rests' transitions by
-    ops/triton_transition.py instead of fla's chunk-state pass (fast.TRANSITION_KERNEL; not yet timed in the model)."""
+    (what a cold RAG request prefills). one_pass takes the rests' transitions from ops/triton_transition.py
+    (fast.TRANSITION_KERNEL, the default since H200 run 50); one_pass_fla_T from fla's chunk-state pass instead."""
     from hypic.ops import fast as _fast
 
     over = {}
@@ -291,11 +291,11 @@ def ts_rows(model, ids, args, res):
             with flagged(_fast, "TRANSITION_STAGES", False):
                 run(True, "rounds")
 
-        def t_kernel():
-            with flagged(_fast, "TRANSITION_KERNEL", True):
+        def fla_t():
+            with flagged(_fast, "TRANSITION_KERNEL", False):
                 run(True)
 
-        forms = {"one_pass": lambda: run(True), "one_pass_T_kernel": t_kernel, "rounds": lambda: run(True, "rounds"),
+        forms = {"one_pass": lambda: run(True), "one_pass_fla_T": fla_t, "rounds": lambda: run(True, "rounds"),
                  "rounds_appended_columns": appended}
         e = over[n] = {"plain_s": timed(lambda: run(False), args.reps + 2)[0]}
         for name, fn in forms.items():

@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -65,18 +66,13 @@ def main() -> None:
         def plain():
             fast.chunk_gated_delta_rule(q, k, v, cu_seqlens=cu, output_final_state=True, **kw)
 
-        def isolated():
-            fast.chunk_gated_delta_isolated(q, k, v, cu_seqlens=cu, seams=[seam], **kw)
+        def isolated(kernel_t: bool):
+            with mock.patch.object(fast, "TRANSITION_KERNEL", kernel_t):
+                fast.chunk_gated_delta_isolated(q, k, v, cu_seqlens=cu, seams=[seam], **kw)
 
-        def isolated_kernel_t():
-            fast.TRANSITION_KERNEL = True
-            try:
-                isolated()
-            finally:
-                fast.TRANSITION_KERNEL = False
-
-        e = {"plain_ms": timed(plain, args.reps, args.inner), "isolated_ms": timed(isolated_kernel_t, args.reps, args.inner),
-             "isolated_fla_T_ms": timed(isolated, args.reps, args.inner)}
+        e = {"plain_ms": timed(plain, args.reps, args.inner),
+             "isolated_ms": timed(lambda: isolated(True), args.reps, args.inner),
+             "isolated_fla_T_ms": timed(lambda: isolated(False), args.reps, args.inner)}
         # the transition step alone, on the forward's own WY factors (the cut layout: seam, rest)
         st = fast._fla_stages()
         qq, kk, vv, bb, sc = fast._stages_prepare(st, q, k, v, beta, None, True)

@@ -85,8 +85,8 @@ def test_fla_transition_stages_match_reference():
 @cuda
 @pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
 def test_transition_kernel_matches_fla_and_reference():
-    """The runs' transitions from the forward's WY factors (ops/triton_transition.py, fast.TRANSITION_KERNEL) against
-    fla's chunk-state pass from the identity (the default) and the fp32 reference: both read the same bf16 keys and WY
+    """The runs' transitions from the forward's WY factors (ops/triton_transition.py, fast.TRANSITION_KERNEL, the
+    default) against fla's chunk-state pass from the identity and the fp32 reference: both read the same bf16 keys and WY
     factors. In its default form the kernel multiplies by bf16 copies of the state as fla's pass does (the two
     within the bf16 bound of the chunk checks, 2e-2, of each other and of the reference); in its "tf32" form by tf32
     roundings of it (8x finer), no farther from the reference than fla's pass (both read the same bf16 WY factors,
@@ -98,13 +98,15 @@ def test_transition_kernel_matches_fla_and_reference():
         q, k, v, gate, beta, init, cu = _gdn_inputs([70, 200, 1, 700], seed=7, dv=dv)
         kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, initial_state=init)
         want = ref.chunk_gated_delta_transition(q.float(), k.float(), v.float(), **kw)[2]
-        fast.TRANSITION_KERNEL = True
+        was = fast.TRANSITION_KERNEL
         try:
+            fast.TRANSITION_KERNEL = True
             got = fast.chunk_gated_delta_transition(q, k, v, **kw)[2]           # "bf16": fla's arithmetic
-        finally:
+            assert "transitions" not in fast.FAILED
             fast.TRANSITION_KERNEL = False
-        assert "transitions" not in fast.FAILED
-        old = fast.chunk_gated_delta_transition(q, k, v, **kw)[2]
+            old = fast.chunk_gated_delta_transition(q, k, v, **kw)[2]           # fla's chunk-state pass
+        finally:
+            fast.TRANSITION_KERNEL = was
         assert rel(got, old) < 2e-2 and rel(got, want) < 2e-2, (dv, rel(got, old), rel(got, want))
         # "tf32": the same on the forward's own factors, from fp32 copies of the state
         st = fast._fla_stages()

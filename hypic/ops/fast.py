@@ -383,10 +383,10 @@ def _stages_forward(st, q, k, v, g, beta, scale, cu_cpu, init):
 # The runs' transitions by ops/triton_transition.py (True) or by fla's chunk-state pass from the identity (False).
 # H200 run 48 (benchmarks/transition_bench.py, one GDN layer, 35B head shapes, bf16 products as fla's): 57 / 44 / 172
 # us per call at 512 / 2k / 8k tokens against 156 / 123 / 258 us for fla's pass (host-bound at 512 and 2k; at 8k the
-# GPU sets the time). Its unpipelined configuration faulted in runs 44-46 and is gone. Still off until gpu_bench's
-# (T, S) rows have run it inside the model (the form one_pass_T_kernel): a fault there would poison the process's
-# CUDA context, which no fallback recovers.
-TRANSITION_KERNEL = False
+# GPU sets the time). Its unpipelined configuration faulted in runs 44-46 and is gone. H200 run 50 (gpu_bench's (T, S)
+# rows, inside the 35B model): the (T, S) share of an isolated segment's kernel time 4.5 / 3.8 / 3.8 / 3.2% at 512 /
+# 2k / 8k / 20 x 1,600 tokens against 5.3 / 4.6 / 5.0 / 4.2% through fla's pass, no fault: on by default since.
+TRANSITION_KERNEL = True
 
 
 def _stages_transitions(st, k, reuse, r: int, step: int = 1, first: int = 0):
