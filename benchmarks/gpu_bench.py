@@ -626,9 +626,27 @@ def main():
     rag["prefix_s"], rag["prefix_all_s"] = statistics.median(pre_ts), pre_ts
     print(f"prefix TTFT: {rag['prefix_s'] * 1e3:.0f} ms {rag['prefix_counts']} (each: "
           f"{', '.join(f'{t * 1e3:.0f}' for t in pre_ts)} ms)", flush=True)
-    if args.profile:   # runs 38-47 took 16-18 s per prefix request against 1.1 s in run 37: where it goes
-        order = [0] + random.Random(200).sample(order_a[1:], args.segments - 1)
-        profile("prefix request", lambda: ttft(Prompt(segments=[segs[i] for i in order], query=query)))
+    # the same requests with a chain of long spans through the phased walk (layers/linear.py LONG_CHAINS_PHASED),
+    # interleaved with the default (rounds) on fresh orders, paired by round
+    from hypic.layers import linear as _linear
+
+    pairs = []
+    for r in range(args.reps):
+        row = {}
+        for name, on in (("rounds", False), ("long_chains_phased", True)):
+            order = [0] + random.Random(300 + 2 * r + on).sample(order_a[1:], args.segments - 1)
+            with flagged(_linear, "LONG_CHAINS_PHASED", on):
+                row[name] = ttft(Prompt(segments=[segs[i] for i in order], query=query))[0]
+        pairs.append(row)
+    rag["prefix_long_chains"] = pairs
+    d = statistics.median(p["long_chains_phased"] - p["rounds"] for p in pairs)
+    print(f"prefix TTFT, interleaved: rounds {statistics.median(p['rounds'] for p in pairs) * 1e3:.0f} ms, "
+          f"long chains phased {statistics.median(p['long_chains_phased'] for p in pairs) * 1e3:.0f} ms; "
+          f"paired median {d * 1e3:+.0f} ms", flush=True)
+    if args.profile:   # a prefix request that misses after its first segment (profile() runs it twice: the first
+        # run would make the second a full prefix hit, so the profiled one takes an order of its own)
+        orders = iter([[0] + random.Random(200 + k).sample(order_a[1:], args.segments - 1) for k in range(2)])
+        profile("prefix request", lambda: ttft(Prompt(segments=[segs[i] for i in next(orders)], query=query)))
     llm.set_policy("full", 0)
     p_full = Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)
     rag["full_s"] = timed(lambda: ttft(p_full), args.reps)[0]
@@ -706,6 +724,12 @@ def main():
                   f"{v * 1e3:.1f} ms | {v / d_int:.3f}x | paired by round: {pd * 1e3:+.2f} ms |")
     print(f"| RAG warm TTFT pic vs prefix | {rag['pic_warm_s'] * 1e3:.1f} ms | prefix {rag['prefix_s'] * 1e3:.0f} ms | "
           f"{rag['pic_vs_prefix']:.1f}x | |")
+    if rag.get("prefix_long_chains"):
+        pl = rag["prefix_long_chains"]
+        a, b = (statistics.median(p[k] for p in pl) for k in ("rounds", "long_chains_phased"))
+        pd = statistics.median(p["long_chains_phased"] - p["rounds"] for p in pl)
+        print(f"| RAG prefix TTFT, interleaved: rounds vs long chains phased | {a * 1e3:.0f} ms | {b * 1e3:.0f} ms | "
+              f"{b / a:.3f}x | paired by round: {pd * 1e3:+.0f} ms |")
     print(f"| pic vs roofline floor | {rag['pic_warm_s'] * 1e3:.1f} ms | floor {floor * 1e3:.1f} ms | "
           f"{rag['pic_warm_s'] / floor:.2f}x | <= 3x |")
     if d_int:

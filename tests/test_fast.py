@@ -192,6 +192,40 @@ def test_long_chains_bounded_by_corrected_tokens():
     assert not linear._phased_ok(batch([8, 500]), long_chains=False)
 
 
+def test_phased_walk_for_chains_past_the_readout_bound(hf_checkpoints, monkeypatch):
+    """linear.LONG_CHAINS_PHASED: a prefix-mode chain of long spans past the readout walk's bound goes through the
+    phased walk (the spans' zero-start summaries in one call, the chain, every span from its initial state) instead
+    of rounds, forced here on the CPU: the same tokens, logits within 1e-4 of rounds (fp32; the chain composes each
+    span's state as T S0 + S instead of running on from the previous span's final state), and the prefix-cache
+    states it captures serve later requests (prefix hits) the same way."""
+    from hypic.layers import linear
+
+    path = hf_checkpoints["qwen3_5"][1]
+    first, again = _requests(6), _requests(6)
+    again = [Prompt(prefix=p.prefix, segments=p.segments[:2] + p.segments[2:][::-1], query=p.query) for p in again]
+    sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
+    seen = []                                  # per phased call: the longest run some later run depends on
+    orig = linear.LinearMixer._forward_phased
+
+    def spy(self, x, f, batch):
+        seen.append(max((r.n for s in batch.seqs for r in s.runs[:-1]), default=0))
+        return orig(self, x, f, batch)
+
+    monkeypatch.setattr(linear.LinearMixer, "_forward_phased", spy)
+    monkeypatch.setattr(linear, "_CORRECTED_TOKENS", 0)          # past the readout walk's bound at any length
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(linear, "LONG_CHAINS_EVERYWHERE", on)
+        monkeypatch.setattr(linear, "LONG_CHAINS_PHASED", on)
+        llm = LLM(str(path), cache_mode="prefix", walk="phased" if on else "rounds")
+        outs[on] = llm.generate(first, sp) + llm.generate(again, sp)
+    assert seen and max(seen) > linear._SHORT_RUN                   # long spans took the phased walk
+    assert any(o.prefix_tokens > 0 for o in outs[True])              # and later requests hit what it cached
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids and a.prefix_tokens == b.prefix_tokens
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2)])
 def test_attention_continuing_an_ordered_prefix(h, hkv, monkeypatch):
     """Keys in position order that end with the queries' own tokens (a request continuing a cached

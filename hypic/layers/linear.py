@@ -337,6 +337,9 @@ class LinearMixer(nn.Module):
                 out = self._forward_readout(x, f, batch)
             else:
                 out = self._forward_phased(x, f, batch)
+        elif (batch.walk == "phased" and LONG_CHAINS_PHASED and self.isolated and batch.exact_transition
+              and (x.is_cuda or LONG_CHAINS_EVERYWHERE) and _chained(batch)):
+            out = self._forward_phased(x, f, batch)     # a chain of long spans: 3 calls per layer, not one per span
         else:
             out = self._forward_rounds(x, f, batch)
         if out is None:                                   # no runs: no active tokens, nothing to output
@@ -714,11 +717,24 @@ def _is_view_of(t, base) -> bool:
 _SHORT_RUN = 64
 _CORRECTED_TOKENS = 4096
 LONG_CHAINS_EVERYWHERE = False     # tests: take the one-call walk for long chains on the CPU too
+# A chain of long runs past the readout walk's bound (a prefix-mode request: one marked span per segment) through
+# the phased walk instead of rounds, for families whose long runs summarize in one pass (`isolated`: Gated DeltaNet,
+# T from the forward's WY factors): the spans' zero-start summaries in one call, the chain, then every span from its
+# initial state in one call; 2 passes over the tokens in 3 calls per layer instead of 1 pass in one call per span.
+# H200 run 49: a prefix request recomputing 28,864 tokens in 20 spans took 1.35 s against 0.68 s for `full` on 32k
+# (rounds: 600 fla calls of ~1,600 tokens on a host-bound path, our reading, not profiled). Off until gpu_bench's
+# prefix rows have timed it (variant `prefix_long_chains_phased`).
+LONG_CHAINS_PHASED = False
 FUSE_CORRECTION = True             # the compose pass's step-table scan corrects the runs' outputs itself
 # the compose pass's runs' transitions in factored form where a kernel gives them (T = gamma I - Kd^T W). Off: the
 # dense [S | T] was 0.5 ms faster on the warm request in both interleaved runs (H200 runs 30, 31) and its chain
 # 8% faster in the micro-benchmark with the step's loads issued first (0.350 vs 0.382 ms); kept as a variant
 RUN_FACTORS = False
+
+
+def _chained(batch) -> bool:
+    """Some sequence of the batch has several runs one after another (rounds would take one call per run)."""
+    return any(sum(isinstance(p, Run) for p in seq.pieces) > 1 for seq in batch.seqs)
 
 
 def _isolated_ok(batch, fresh: bool) -> bool:
