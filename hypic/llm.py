@@ -166,8 +166,10 @@ class LLM:
         compiling and tuning its kernels (on the H200 the first cold request took 27-47 s against ~0.7 s after):
         a `full` prefill of `tokens` tokens with a few decode steps, a `pic` request of `segments` segments cold
         (isolated prefills) and then reordered (the compose pass, captured as a CUDA graph where that is the
-        mode), and a `prefix` request. Kernels tuned per size bucket (the MoE's, the scan's) and graphs captured
-        per shape still tune or capture on the first request of a new bucket. The caches are cleared afterwards,
+        mode), and three `prefix` requests: cold, one that misses after its first segment, and a whole-prompt hit
+        (H200 run 49: a first hit stalled 1.4 s on the host before its first attention kernel, most likely that
+        kernel's compilation for the hit's shapes). Kernels tuned per size bucket (the MoE's, the scan's) and graphs
+        captured per shape still tune or capture on the first request of a new bucket. The caches are cleared afterwards,
         so call it before serving. Returns the seconds each part took."""
         if segments < 1 or tokens < 4 * (segments + 1):
             raise InvalidRequestError(f"warm-up needs segments >= 1 and tokens >= 4 * (segments + 1), got "
@@ -187,7 +189,8 @@ class LLM:
                     ("full", [Prompt(query=ids)]),
                     ("pic", [Prompt(segments=segs, query=query), Prompt(segments=segs[::-1], query=query)]),
                     ("prefix", [Prompt(segments=segs, query=query), Prompt(segments=segs[:1] + segs[:0:-1],
-                                                                           query=query)])):
+                                                                           query=query),
+                                Prompt(segments=segs, query=query)])):
                 self.set_policy(mode, old.seam)
                 t0 = time.perf_counter()
                 for p in prompts:

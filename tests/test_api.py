@@ -201,8 +201,21 @@ def test_warmup_runs_every_mode_and_leaves_no_trace():
     on made-up ids; afterwards the caches are empty with zeroed counters, the policy is the one set before, and the
     engine answers as a fresh one does."""
     llm = LLM("tiny-qwen3.5", cache_mode="prefix", seam=2)
+    seen, generate = [], llm.generate
+
+    def spy(prompts, sp):
+        outs = generate(prompts, sp)
+        seen.extend((llm.cache_mode, o) for o in outs)
+        return outs
+
+    llm.generate = spy
     times = llm.warmup(tokens=256, segments=3, decode_tokens=2)
+    del llm.generate
     assert set(times) == {"full", "pic", "prefix"} and all(t > 0 for t in times.values())
+    prefix = [o for mode, o in seen if mode == "prefix"]       # cold, a miss after the first segment, a whole hit
+    assert [o.prefix_tokens > 0 for o in prefix] == [False, True, True]
+    assert prefix[2].recomputed_tokens == len(prefix[2].prompt_token_ids) - prefix[2].prefix_tokens
+    assert prefix[2].prefix_tokens > prefix[1].prefix_tokens
     assert llm.cache_mode == "prefix" and llm.policy.seam == 2
     for s in llm.cache_stats().values():
         assert s["entries"] == 0 and s["hits"] == 0 and s["misses"] == 0 and s["insertions"] == 0
