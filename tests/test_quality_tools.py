@@ -1,0 +1,22 @@
+"""The quality study's analysis helpers (quality/), on hand-made cases."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "quality"))
+
+from answer_sources import source  # noqa: E402
+
+
+def test_answer_sources_places_each_kind():
+    docs = ["Document: Claudia Jessie played the clerk.\n", "Document: The film starred Kane Hillen.\n",
+            "Document: Nothing here.\n"]
+    assert source("Claudia Jessie", 1.0, docs, 0) == "correct"
+    assert source("the clerk", 0.0, docs, 0) == "in the gold document"
+    assert source("Kane Hillen.", 0.0, docs, 0) == "in another document"         # punctuation normalised away
+    assert source("Claudia Schiffer", 0.0, docs, 0) == "words from the context"  # a name half copied
+    assert source("J. K. Simmons", 0.0, docs, 0) == "not in the context"
+    assert source("  ", 0.0, docs, 0) == "empty"
+    assert source("Kane", 0.0, docs, 0) == "in another document"                 # a whole word, not a substring
+    assert source("Hill", 0.0, docs, 0) == "not in the context"
