@@ -111,9 +111,33 @@ class Pools:
 K_CHOICES = np.array([1, 2, 3, 4, 5, 6, 8, 8, 10, 12, 16])
 
 
+def word_starts(tokenizer_json) -> np.ndarray:
+    """Per token id: whether the token opens a word (byte-level BPE: its text starts with the space marker)."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab()
+    starts = np.zeros(max(vocab.values()) + 1, bool)
+    for tok, i in vocab.items():
+        starts[i] = tok.startswith("\u0120")
+    return starts
+
+
+def recombined(a: np.ndarray, b: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """An entity name no model has seen: a's words but its last, then b's last word (both token arrays that open
+    with a word); a as it is when either has a single word."""
+    wa, wb = np.flatnonzero(starts[a]), np.flatnonzero(starts[b])
+    if len(wa) < 2 or len(wb) < 2 or wa[0] != 0 or wb[0] != 0:
+        return a
+    return np.concatenate([a[:wa[-1]], b[wb[-1]:]])
+
+
 class RowMaker:
-    def __init__(self, P: Pools, seq: int, seed: int, mix, kc_subst: float = 0.7):
+    def __init__(self, P: Pools, seq: int, seed: int, mix, kc_subst: float = 0.7, kc_recombine: float = 0.0,
+                 starts: np.ndarray | None = None):
         self.P, self.seq, self.kc_subst = P, seq, kc_subst
+        self.kc_recombine, self.starts = kc_recombine, starts
+        if kc_recombine > 0 and starts is None:
+            raise ValueError("kc_recombine needs the tokenizer's word starts")
         self.rng = np.random.default_rng(seed)
         self.tasks = list(mix.keys())
         p = np.array(list(mix.values()), float)
@@ -129,6 +153,8 @@ class RowMaker:
             ans = P.get("kc_a", i)
             if r.random() < self.kc_subst:  # substitute another entity at every answer slot
                 ent = P.get("kc_ent", r.integers(P.n("kc_ent")))
+                if self.kc_recombine and r.random() < self.kc_recombine:   # a name the prior cannot complete
+                    ent = recombined(ent, P.get("kc_ent", r.integers(P.n("kc_ent"))), self.starts)
                 slots = P.get("kc_slot", i).reshape(-1, 2)
                 parts, last = [], 0
                 for s, e in slots:
@@ -251,14 +277,15 @@ class RowMaker:
 
 
 class RowDataset(torch.utils.data.IterableDataset):
-    def __init__(self, P, seq, batch, seed, mix, kc_subst=0.7):
+    def __init__(self, P, seq, batch, seed, mix, kc_subst=0.7, kc_recombine=0.0, starts=None):
         self.P, self.seq, self.batch, self.seed, self.mix = P, seq, batch, seed, mix
-        self.kc_subst = kc_subst
+        self.kc_subst, self.kc_recombine, self.starts = kc_subst, kc_recombine, starts
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid = info.id if info else 0
-        rm = RowMaker(self.P, self.seq, self.seed * 1000 + wid, self.mix, self.kc_subst)
+        rm = RowMaker(self.P, self.seq, self.seed * 1000 + wid, self.mix, self.kc_subst, self.kc_recombine,
+                      self.starts)
         while True:
             T = np.zeros((self.batch, self.seq + 1), np.int64)
             W = np.zeros((self.batch, self.seq + 1), np.int8)
@@ -407,6 +434,9 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--kc-subst", type=float, default=0.7,
                     help="share of KC training passages whose answer entity is replaced (everywhere in the passage)")
+    ap.add_argument("--kc-recombine", type=float, default=0.0,
+                    help="share of those replacements that are a name no one has (one entity's words but its last, "
+                         "then another's last word), so the answer must be copied, not completed from memory")
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds by which the process must be done: training stops --reserve s before")
@@ -485,7 +515,8 @@ def main():
         del src
         log({"event": "init", "from": args.init})
     total_s = args.total_train_s or args.minutes * 60
-    ds = RowDataset(P, args.seq, args.batch, args.seed + 7919 * step0, mix, args.kc_subst)
+    starts = word_starts(data / "tokenizer.json") if args.kc_recombine > 0 else None
+    ds = RowDataset(P, args.seq, args.batch, args.seed + 7919 * step0, mix, args.kc_subst, args.kc_recombine, starts)
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers,
                                      pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
                                      persistent_workers=False)

@@ -20,3 +20,19 @@ def test_answer_sources_places_each_kind():
     assert source("  ", 0.0, docs, 0) == "empty"
     assert source("Kane", 0.0, docs, 0) == "in another document"                 # a whole word, not a substring
     assert source("Hill", 0.0, docs, 0) == "not in the context"
+
+
+def test_recombined_names_take_the_last_word_of_another():
+    """train.py --kc-recombine: one entity's words but its last, then another's last word (token arrays whose
+    word-opening tokens `starts` marks); single-word names stay as they are."""
+    import numpy as np
+    from train import recombined
+
+    starts = np.zeros(20, bool)
+    starts[[1, 3, 5, 7, 9]] = True                 # tokens that open a word
+    a = np.array([1, 2, 3, 4])                     # two words: [1 2] [3 4]
+    b = np.array([5, 6, 7, 9, 8])                  # three words: [5 6] [7] [9 8]
+    assert recombined(a, b, starts).tolist() == [1, 2, 9, 8]
+    assert recombined(b, a, starts).tolist() == [5, 6, 7, 3, 4]
+    single = np.array([1, 2])
+    assert recombined(single, b, starts).tolist() == [1, 2] and recombined(a, single, starts).tolist() == a.tolist()
