@@ -169,8 +169,8 @@ class LLM:
         mode), and three `prefix` requests: cold, one that misses after its first segment, and a whole-prompt hit
         (H200 run 49: a first hit stalled 1.4 s on the host before its first attention kernel, most likely that
         kernel's compilation for the hit's shapes). Kernels tuned per size bucket (the MoE's, the scan's) and graphs
-        captured per shape still tune or capture on the first request of a new bucket. The caches are cleared afterwards,
-        so call it before serving. Returns the seconds each part took."""
+        captured per shape still tune or capture on the first request of a new bucket. The caches are cleared
+        afterwards, so call it before serving. Returns the seconds each part took."""
         if segments < 1 or tokens < 4 * (segments + 1):
             raise InvalidRequestError(f"warm-up needs segments >= 1 and tokens >= 4 * (segments + 1), got "
                                       f"{tokens}, {segments}")

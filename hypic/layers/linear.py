@@ -723,7 +723,7 @@ LONG_CHAINS_EVERYWHERE = False     # tests: take the one-call walk for long chai
 # initial state in one call; 2 passes over the tokens in 3 calls per layer instead of 1 pass in one call per span.
 # H200 run 49: a prefix request recomputing 28,864 tokens in 20 spans took 1.35 s against 0.68 s for `full` on 32k
 # (rounds: 600 fla calls of ~1,600 tokens on a host-bound path, our reading, not profiled). Off until gpu_bench's
-# prefix rows have timed it (variant `prefix_long_chains_phased`).
+# prefix rows have timed it (`long_chains_phased` against `rounds`, interleaved).
 LONG_CHAINS_PHASED = False
 FUSE_CORRECTION = True             # the compose pass's step-table scan corrects the runs' outputs itself
 # the compose pass's runs' transitions in factored form where a kernel gives them (T = gamma I - Kd^T W). Off: the
