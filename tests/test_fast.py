@@ -227,15 +227,25 @@ def test_phased_walk_for_chains_past_the_readout_bound(hf_checkpoints, monkeypat
 
 
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2)])
-def test_attention_continuing_an_ordered_prefix(h, hkv, monkeypatch):
+@pytest.mark.parametrize("past", ["scores_bytes", "many_queries"])
+def test_attention_continuing_an_ordered_prefix(h, hkv, past, monkeypatch):
     """Keys in position order that end with the queries' own tokens (a request continuing a cached
-    prefix): causal attention aligned at the bottom right, equal to the masked reference."""
+    prefix): causal attention aligned at the bottom right, equal to the masked reference, off the explicit-score
+    form both past its size and (with explicit scores that would fit) from _MANY_CONTINUING queries on."""
     g = torch.Generator().manual_seed(h + hkv)
     d, nk, nq = 8, 50, 13
     q, k, v = _rand(nq, h, d, g=g), _rand(nk, hkv, d, g=g), _rand(nk, hkv, d, g=g)
     k_pos, q_pos = torch.arange(nk), torch.arange(nk - nq, nk)
     o0 = ref.position_attention(q, k, v, q_pos, k_pos, scale=0.3)
-    monkeypatch.setattr(fast, "_SCORES_BYTES", 0)            # past the explicit-score size
+    if past == "scores_bytes":
+        monkeypatch.setattr(fast, "_SCORES_BYTES", 0)
+    else:
+        monkeypatch.setattr(fast, "_MANY_CONTINUING", nq)
+
+    def no_scores(*a, **kw):
+        raise AssertionError("the explicit-score form ran")
+
+    monkeypatch.setattr(fast, "_scaled_scores", no_scores)
     o1 = fast.position_attention(q, k, v, q_pos, k_pos, scale=0.3, contiguous=True)
     torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)
 

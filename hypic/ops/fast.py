@@ -549,6 +549,12 @@ def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: st
 # -- attention -------------------------------------------------------------------------------------------
 _MASK_BYTES = 1 << 28          # the largest [queries, keys] mask one SDPA call materialises
 _SCORES_BYTES = 1 << 30        # few queries over many keys: explicit fp32 scores up to this size
+# ... unless they continue an ordered prefix and are this many: SDPA then (lower-right causal on CUDA, masked blocks
+# on the CPU). On the 2-core CPU, 3,617 keys, 4 heads of 64, explicit / lower-right / masked blocks: 64 queries
+# 6.6 / 6.7 / - ms, 256 28.9 / 16.0 / 15.2, 1,024 142 / 49 / 51, 3,569 466 / 189 / 215 ms (8 heads of 128: even at
+# 256, 2-2.6x faster from 1,024); the `prefix` request of `hypic demo`, 3,569 tokens after a cached 48-token prefix,
+# spent 490 of its 740 ms in the explicit form. (On CUDA in bf16 the Triton kernel takes the few-query case first.)
+_MANY_CONTINUING = 256
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False):
@@ -580,7 +586,7 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         return o[0].transpose(0, 1)
     # GQA folded into the query axis: [Hkv, rep * Nq, D] against [Hkv, Nk, D], one mask row per query
     qf = q.view(nq, hkv, rep, d).permute(1, 2, 0, 3)                             # [Hkv, rep, Nq, D]
-    if few:
+    if few and not (contiguous and nq >= _MANY_CONTINUING):
         # few queries (seams, a query, decode) over many keys: the fused kernels parallelise over query
         # blocks and heads, too few here to fill the GPU; two batched GEMMs and a softmax do
         # The scores stay in the input dtype: scaled inside the GEMM (fp32 accumulator, alpha), masked in
@@ -591,7 +597,9 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         p = torch.softmax(s, dim=-1)
         o = torch.matmul(p, v.transpose(0, 1))                                        # [Hkv, rep*Nq, Dv]
         return o.view(hkv, rep, nq, dv).permute(2, 0, 1, 3).reshape(nq, h, dv)
-    if contiguous:
+    if contiguous and q.is_cuda:
+        # (not on the CPU: importing torch.nn.attention.bias imports torch._dynamo, 2.8 s on the first request that
+        # gets here; the masked blocks below are within 5-15% of it there)
         from torch.nn.attention.bias import causal_lower_right
 
         # K / V expanded to every query head (the lower-right causal kernels take no GQA argument)
