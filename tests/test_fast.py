@@ -227,13 +227,16 @@ def test_phased_walk_for_chains_past_the_readout_bound(hf_checkpoints, monkeypat
 
 
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2)])
-@pytest.mark.parametrize("past", ["scores_bytes", "many_queries"])
-def test_attention_continuing_an_ordered_prefix(h, hkv, past, monkeypatch):
+@pytest.mark.parametrize("past,nk", [("scores_bytes", 50), ("many_queries", 50), ("scores_bytes", 20),
+                                     ("many_queries", 20)])
+def test_attention_continuing_an_ordered_prefix(h, hkv, past, nk, monkeypatch):
     """Keys in position order that end with the queries' own tokens (a request continuing a cached
     prefix): causal attention aligned at the bottom right, equal to the masked reference, off the explicit-score
-    form both past its size and (with explicit scores that would fit) from _MANY_CONTINUING queries on."""
+    form both past its size and (with explicit scores that would fit) from _MANY_CONTINUING queries on; with at
+    most as many held keys as queries (nk 20, 13 queries) as a square causal SDPA over front-padded queries, without
+    a mask."""
     g = torch.Generator().manual_seed(h + hkv)
-    d, nk, nq = 8, 50, 13
+    d, nq = 8, 13
     q, k, v = _rand(nq, h, d, g=g), _rand(nk, hkv, d, g=g), _rand(nk, hkv, d, g=g)
     k_pos, q_pos = torch.arange(nk), torch.arange(nk - nq, nk)
     o0 = ref.position_attention(q, k, v, q_pos, k_pos, scale=0.3)
@@ -245,9 +248,17 @@ def test_attention_continuing_an_ordered_prefix(h, hkv, past, monkeypatch):
     def no_scores(*a, **kw):
         raise AssertionError("the explicit-score form ran")
 
+    calls, sdpa = [], fast.F.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        calls.append((kw.get("is_causal", False), kw.get("attn_mask") is not None))
+        return sdpa(*a, **kw)
+
     monkeypatch.setattr(fast, "_scaled_scores", no_scores)
+    monkeypatch.setattr(fast.F, "scaled_dot_product_attention", spy)
     o1 = fast.position_attention(q, k, v, q_pos, k_pos, scale=0.3, contiguous=True)
     torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)
+    assert calls and all(c == ((True, False) if nk - nq <= nq else (False, True)) for c in calls)
 
 
 def test_prefix_continuation_takes_the_ordered_path(hf_checkpoints, monkeypatch):
