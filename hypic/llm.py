@@ -184,6 +184,10 @@ class LLM:
         sp = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
         old = self.policy
         times = {}
+        if self.engine.device.type == "cuda":
+            # a long prefix continuation's attention (ops/fast.py, lower-right causal SDPA) imports this module, which
+            # imports torch._dynamo: 2.8 s on the first request that needs it (2-core CPU); made here, not there
+            import torch.nn.attention.bias  # noqa: F401
         try:
             for mode, prompts in (
                     ("full", [Prompt(query=ids)]),
