@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 
 from typing import Sequence
@@ -187,7 +188,7 @@ class LLM:
         if self.engine.device.type == "cuda":
             # a long prefix continuation's attention (ops/fast.py, lower-right causal SDPA) imports this module, which
             # imports torch._dynamo: 2.8 s on the first request that needs it (2-core CPU); made here, not there
-            import torch.nn.attention.bias  # noqa: F401
+            importlib.import_module("torch.nn.attention.bias")
         try:
             for mode, prompts in (
                     ("full", [Prompt(query=ids)]),
