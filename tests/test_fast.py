@@ -290,6 +290,25 @@ def test_prefix_continuation_takes_the_ordered_path(hf_checkpoints, monkeypatch)
     assert not any(c and nq < nk for c, nq, nk in seen if nq > 1)   # placed segments: the masked path
 
 
+@pytest.mark.parametrize("held", [40, 400])
+def test_long_prefix_continuation_equals_full(hf_checkpoints, held):
+    """A prefix-cache hit followed by 300 new tokens (past _MANY_CONTINUING): with fewer held keys than queries the
+    square causal form over front-padded queries, with more the masked blocks; either way the logits equal `full`
+    (fp32, 1e-4 as the other engine-level comparisons)."""
+    path = hf_checkpoints["qwen3_5"][1]
+    first, rest = rand_ids(held, 71), rand_ids(300, 72)
+    sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
+    warm = Prompt(segments=[first, rand_ids(20, 73)], query=rand_ids(4, 74))
+    p = Prompt(segments=[first, rest], query=rand_ids(6, 75))
+    full = LLM(str(path), cache_mode="full").generate([p], sp)[0]
+    llm = LLM(str(path), cache_mode="prefix")
+    llm.generate([warm], sp)
+    hit = llm.generate([p], sp)[0]
+    assert hit.prefix_tokens == held and hit.recomputed_tokens >= fast._MANY_CONTINUING
+    assert hit.token_ids == full.token_ids
+    torch.testing.assert_close(hit.logits, full.logits, atol=1e-4, rtol=0)
+
+
 def test_device_fault_is_raised_not_skipped(monkeypatch):
     """A kernel that faulted on the device (the CUDA context is lost) raises with the kernel's name, from the
     tuner (which skips only configurations that cannot be built) and from kernel_failed (no PyTorch form can run
