@@ -290,6 +290,28 @@ def test_prefix_continuation_takes_the_ordered_path(hf_checkpoints, monkeypatch)
     assert not any(c and nq < nk for c, nq, nk in seen if nq > 1)   # placed segments: the masked path
 
 
+@pytest.mark.parametrize("nq", [8, 40])
+def test_cpu_attention_at_placed_positions(nq, monkeypatch):
+    """Queries at arbitrary positions over keys placed anywhere (the compose pass): on the CPU explicit scores for
+    fewer than _CPU_EXPLICIT_QUERIES queries, SDPA over masked blocks from there; both equal the reference."""
+    g = torch.Generator().manual_seed(nq)
+    h, hkv, d, nk = 4, 2, 8, 100
+    q, k, v = _rand(nq, h, d, g=g), _rand(nk, hkv, d, g=g), _rand(nk, hkv, d, g=g)
+    k_pos = torch.randperm(nk, generator=g)
+    q_pos = torch.randint(0, nk, (nq,), generator=g)
+    o0 = ref.position_attention(q, k, v, q_pos, k_pos, scale=0.3)
+    used, scores = [], fast._scaled_scores
+
+    def spy(*a, **kw):
+        used.append(True)
+        return scores(*a, **kw)
+
+    monkeypatch.setattr(fast, "_scaled_scores", spy)
+    o1 = fast.position_attention(q, k, v, q_pos, k_pos, scale=0.3)
+    torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)
+    assert bool(used) == (nq < fast._CPU_EXPLICIT_QUERIES)
+
+
 @pytest.mark.parametrize("held", [40, 400])
 def test_long_prefix_continuation_equals_full(hf_checkpoints, held):
     """A prefix-cache hit followed by 300 new tokens (past _MANY_CONTINUING): with fewer held keys than queries the

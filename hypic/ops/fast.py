@@ -555,6 +555,11 @@ _SCORES_BYTES = 1 << 30        # few queries over many keys: explicit fp32 score
 # 256, 2-2.6x faster from 1,024); the `prefix` request of `hypic demo`, 3,569 tokens after a cached 48-token prefix,
 # spent 490 of its 740 ms in the explicit form. (On CUDA in bf16 the Triton kernel takes the few-query case first.)
 _MANY_CONTINUING = 256
+# On the CPU the explicit scores only for fewer queries than this; from there SDPA over masked blocks, whatever the
+# positions (2-core CPU, keys in order, queries at random positions, explicit / masked blocks: 8,224 keys, 4 heads of
+# 64: 8 queries 1.7 / 1.3 ms, 32 8.6 / 4.6, 192 38.5 / 30.1; 8 heads of 128: 32 20.2 / 13.8, 192 97.3 / 61.1; 16
+# heads of 256: 8 13.7 / 14.2, 16 24.8 / 28.5, 32 57.3 / 47.5, 192 334 / 243 ms; at 1 query equal within 15%)
+_CPU_EXPLICIT_QUERIES = 32
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False):
@@ -592,7 +597,7 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         return o[0].transpose(0, 1)[held:]
     # GQA folded into the query axis: [Hkv, rep * Nq, D] against [Hkv, Nk, D], one mask row per query
     qf = q.view(nq, hkv, rep, d).permute(1, 2, 0, 3)                             # [Hkv, rep, Nq, D]
-    if few and not (contiguous and nq >= _MANY_CONTINUING):
+    if few and not (contiguous and nq >= _MANY_CONTINUING) and (q.is_cuda or nq < _CPU_EXPLICIT_QUERIES):
         # few queries (seams, a query, decode) over many keys: the fused kernels parallelise over query
         # blocks and heads, too few here to fill the GPU; two batched GEMMs and a softmax do
         # The scores stay in the input dtype: scaled inside the GEMM (fp32 accumulator, alpha), masked in
