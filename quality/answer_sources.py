@@ -31,7 +31,8 @@ def source(pred: str, em: float, segments: list[str], gold: int) -> str:
         return "in the gold document"
     if any(f" {p} " in d for j, d in enumerate(docs) if j != gold):
         return "in another document"
-    if any(f" {w} " in " ".join(docs) for w in p.split() if len(w) > 3):
+    context = " ".join(docs)
+    if any(f" {w} " in context for w in p.split() if len(w) > 3):
         return "words from the context"
     return "not in the context"
 
