@@ -550,15 +550,16 @@ def causal_conv1d_varlen(x, weight, bias, windows, cu_seqlens, *, activation: st
 _MASK_BYTES = 1 << 28          # the largest [queries, keys] mask one SDPA call materialises
 _SCORES_BYTES = 1 << 30        # few queries over many keys: explicit fp32 scores up to this size
 # ... unless they continue an ordered prefix and are this many: SDPA then (lower-right causal on CUDA, masked blocks
-# on the CPU). On the 2-core CPU, 3,617 keys, 4 heads of 64, explicit / lower-right / masked blocks: 64 queries
-# 6.6 / 6.7 / - ms, 256 28.9 / 16.0 / 15.2, 1,024 142 / 49 / 51, 3,569 466 / 189 / 215 ms (8 heads of 128: even at
-# 256, 2-2.6x faster from 1,024); the `prefix` request of `hypic demo`, 3,569 tokens after a cached 48-token prefix,
-# spent 490 of its 740 ms in the explicit form. (On CUDA in bf16 the Triton kernel takes the few-query case first.)
+# or a square on the CPU). `python benchmarks/cpu_attention.py` (results/cpu_attention_20261201.json, 2-core CPU,
+# 3,617 keys, 4 heads of 64, explicit / lower-right / masked blocks): 256 queries 23.7 / 13.8 / 14.7 ms, 1,024
+# 133 / 46 / 45, 3,569 448 / 183 / 240 (8 heads of 128: 68 / 59 / 37 at 256, 1,196 / 490 / 605 at 3,569). The
+# `prefix` request of `hypic demo`, 3,569 tokens after a cached 48-token prefix, spent 490 of its 740 ms in the
+# explicit form. (On CUDA in bf16 the Triton kernel takes the few-query case first.)
 _MANY_CONTINUING = 256
 # On the CPU the explicit scores only for fewer queries than this; from there SDPA over masked blocks, whatever the
-# positions (2-core CPU, keys in order, queries at random positions, explicit / masked blocks: 8,224 keys, 4 heads of
-# 64: 8 queries 1.7 / 1.3 ms, 32 8.6 / 4.6, 192 38.5 / 30.1; 8 heads of 128: 32 20.2 / 13.8, 192 97.3 / 61.1; 16
-# heads of 256: 8 13.7 / 14.2, 16 24.8 / 28.5, 32 57.3 / 47.5, 192 334 / 243 ms; at 1 query equal within 15%)
+# positions (the same benchmark, queries at random positions over 8,224 keys, explicit / masked blocks: 192 queries
+# 49 / 32 ms with 4 heads of 64, 128 / 69 with 8 of 128, 331 / 222 with 16 of 256; at 32 queries 9.2 / 6.9, 15.9 /
+# 15.6, 44 / 48; at 8 within 10% either way)
 _CPU_EXPLICIT_QUERIES = 32
 
 
@@ -589,8 +590,9 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     if contiguous and (nq == nk or (not q.is_cuda and held <= nq and (not few or nq >= _MANY_CONTINUING))):
         # causal over a square: on the CPU a continuation with at most as many held keys as queries pads the
         # queries at the front (rows computed and dropped), since a mask costs more there than the extra rows
-        # (2-core CPU, 3,617 keys, 4 heads of 64: 3,569 queries 69 ms against 231 with masked blocks, 1,800 66
-        # against 98; 8 heads of 128: 269 / 657, 262 / 324; break-even near 1.5x as many held keys as queries)
+        # (benchmarks/cpu_attention.py, 3,617 keys, square / masked blocks: 3,569 queries 80 / 240 ms with 4 heads of
+        # 64, 274 / 605 with 8 of 128; 1,800 queries 60 / 98, 262 / 314; 1,024, i.e. 2.5x as many held keys, 63 /
+        # 45 and 247 / 163: the square loses there)
         qq = q if held == 0 else torch.cat([q.new_zeros(held, h, d), q])
         o = F.scaled_dot_product_attention(qq.transpose(0, 1)[None], kt, vt, is_causal=True, scale=scale,
                                            enable_gqa=rep > 1)
