@@ -360,6 +360,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         variants += [("correction_after_scan", flag(_linear, "FUSE_CORRECTION", False), {}),
                      ("fill_by_address", flag(_cg, "COPY_BY_ADDRESS", True), {})]
         variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (4, 16) if p != comp.pieces]
+    left_out = set(filter(None, args.without.split(",")))
+    variants = [v for v in variants if v[0] not in left_out]
     tuned = _ts.TUNED if _ts is not None else {}
     print(f"scan tuner picks: {({k: v[0] for k, v in tuned.items()})}", flush=True)
     rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in tuned.items()}
@@ -422,6 +424,8 @@ def main():
     ap.add_argument("--preset", default="qwen3.5-35b-a3b")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a tiny preset")
     ap.add_argument("--all-variants", action="store_true", help="also the compose variants of runs 16-19")
+    ap.add_argument("--without", default="", help="compose variants to leave out, comma-separated (e.g. one whose "
+                                                   "GPU test failed in the same call: a fault would end the run)")
     ap.add_argument("--ts-first", action="store_true", help="the (T, S) rows first (then the rest)")
     ap.add_argument("--ts-only", action="store_true", help="only the (T, S) rows")
     ap.add_argument("--skip-ts", action="store_true", help="no (T, S) rows (a call of its own: --ts-only)")
