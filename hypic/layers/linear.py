@@ -750,9 +750,10 @@ LONG_CHAINS_EVERYWHERE = False     # tests: take the one-call walk for long chai
 # T from the forward's WY factors): the spans' zero-start summaries in one call, the chain, then every span from its
 # initial state in one call; 2 passes over the tokens in 3 calls per layer instead of 1 pass in one call per span.
 # H200 run 49: a prefix request recomputing 28,864 tokens in 20 spans took 1.35 s against 0.68 s for `full` on 32k
-# (rounds: 600 fla calls of ~1,600 tokens on a host-bound path, our reading, not profiled). Off until gpu_bench's
-# prefix rows have timed it (`long_chains_phased` against `rounds`, interleaved).
-LONG_CHAINS_PHASED = False
+# (rounds: 600 fla calls of ~1,600 tokens on a host-bound path; the profile of run 53: 16k kernels, GPU busy 0.8 s of
+# 2.1 s). On since run 53: 899 against 1,371 ms in rounds, interleaved (paired median -470 ms); gpu_bench still times
+# both (`long_chains_phased` against `rounds`).
+LONG_CHAINS_PHASED = True
 FUSE_CORRECTION = True             # the compose pass's step-table scan corrects the runs' outputs itself
 # the compose pass's runs' transitions in factored form where a kernel gives them (T = gamma I - Kd^T W). Off: the
 # dense [S | T] was 0.5 ms faster on the warm request in both interleaved runs (H200 runs 30, 31) and its chain

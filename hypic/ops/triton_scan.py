@@ -278,6 +278,97 @@ def _pair_kernel(steps, cu, f_addr, p_addr, W: tl.constexpr, K: tl.constexpr, BK
         tl.store(pp + rf[:, None] * K + rk[None, :], pt, mask=mk[None, :])
 
 
+@triton.jit
+def _t_step(xt, j, steps, a_addr, ou, s_ot, s_oh, h, rk, rv, mk, mv, m_vk, m_kk, off_vk, off_kk, off_at, off_as,
+            K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, BT: tl.constexpr):
+    """Step j of `_scan_steps_t_kernel`: the run's outputs corrected by x (as x^T u), then x^T <- x^T T^T + S^T."""
+    tt = tl.arange(0, BT)
+    row = steps + j.to(tl.int64) * W
+    tv = tl.load(row)
+    sv = tl.load(row + 1)
+    is_run = tl.load(row + 2) != 0
+    if is_run:
+        tp = (tv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
+        sp = (sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
+        t = tl.load(tp + off_at, mask=m_kk, other=0.0)
+        st = tl.load(sp + off_as, mask=m_vk, other=0.0)
+    else:
+        tp = tv.to(tl.pointer_type(tl.float32)) + h * (K * K)
+        sp = sv.to(tl.pointer_type(tl.float32)) + h * (K * V)
+        t = tl.load(tp + off_kk, mask=m_kk, other=0.0)
+        st = tl.load(sp + off_vk, mask=m_vk, other=0.0)
+    t0 = tl.load(row + 4)
+    nt = tl.load(row + 5)
+    mt = (tt < nt) & is_run
+    rows = (t0 + tt).to(tl.int64) * s_ot + h * s_oh
+    u = tl.load(ou + rows[None, :] + V + rk[:, None], mask=mt[None, :] & mk[:, None], other=0.0)   # u^T [BK, BT]
+    optr = ou + rows[None, :] + rv[:, None]                                                     # o^T [BV, BT]
+    mo = mt[None, :] & mv[:, None]
+    o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
+    if is_run:
+        corr = tl.dot(xt, u.to(tl.float32), input_precision=PREC)                              # x^T u [BV, BT]
+        tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mo)
+    xt = tl.dot(xt, tl.trans(t), input_precision=PREC) + st
+    return xt
+
+
+@triton.jit
+def _scan_steps_t_kernel(init, steps, a_addr, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                         W: tl.constexpr, BT: tl.constexpr):
+    """The step-table scan with dense runs and the runs' outputs corrected in place (the compose pass's default
+    form) holding the state transposed, x^T [BV, K]: a step is x^T <- x^T T^T + S^T and a run's correction
+    o_t^T = x^T u_t, so the state, the loop-carried value the chain waits on, is each product's left operand (which
+    a tensor-core product may take from registers) and only the maps, which do not depend on the state, are right
+    operands. An experiment beside `_scan_steps_kernel` (benchmarks/scan_bench.py times both); no factors, no
+    pairs."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    m_vk = mv[:, None] & mk[None, :]
+    m_kk = mk[:, None] & mk[None, :]
+    off_vk = rk[None, :] * V + rv[:, None]                        # element (k, v) of a [K, V] state, as [BV, BK]
+    off_kk = rk[:, None] * K + rk[None, :]
+    off_at = rk[:, None] * (V + K) + V + rk[None, :]
+    off_as = rk[None, :] * (V + K) + rv[:, None]
+    xt = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_vk, mask=m_vk, other=0.0)
+    j0 = tl.load(cu + r)
+    j1 = tl.load(cu + r + 1)
+    if STAGES > 1:
+        for j in tl.range(j0, j1, num_stages=STAGES):
+            xt = _t_step(xt, j, steps, a_addr, ou, s_ot, s_oh, h, rk, rv, mk, mv, m_vk, m_kk, off_vk, off_kk, off_at,
+                         off_as, K, V, PREC, W, BT)
+    else:                           # (Triton's interpreter cannot range over loaded bounds)
+        j = j0
+        while j < j1:
+            xt = _t_step(xt, j, steps, a_addr, ou, s_ot, s_oh, h, rk, rv, mk, mv, m_vk, m_kk, off_vk, off_kk, off_at,
+                         off_as, K, V, PREC, W, BT)
+            j += 1
+    tl.store(final + (r * H + h).to(tl.int64) * K * V + off_vk, xt, mask=m_vk)
+
+
+def scan_steps_t(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, outputs: torch.Tensor,
+                 *, max_run: int = 16, bv: int = 64, warps: int = 8, stages: int = 2, precision: str = "tf32x3"):
+    """`scan_steps` with dense runs and `outputs` (the compose pass's default form) by the transposed-state kernel;
+    returns final [R, H, K, V]. An experiment: benchmarks/scan_bench.py."""
+    r, h, k, v = init.shape
+    init = init.float().contiguous()
+    if not (runs.is_contiguous() and runs.dtype == torch.float32 and runs.shape[-1] == v + k):
+        raise ValueError("runs must be fp32, contiguous, [N, H, K, V + K]")
+    if steps.shape[1] < 6 or outputs.shape[1:] != (h, v + k) or outputs.stride(-1) != 1 or outputs.stride(1) != v + k:
+        raise ValueError("outputs must be [N, H, V + K] with rows of V + K, and steps need 6 columns")
+    final = torch.empty_like(init)
+    COMPILED["steps_t"] = _scan_steps_t_kernel[(r, h, triton.cdiv(v, bv))](
+        init, steps, runs.data_ptr(), final, cu, outputs, outputs.stride(0), outputs.stride(1), H=h, K=k, V=v,
+        BK=max(16, triton.next_power_of_2(k)), BV=bv, PREC=precision, STAGES=stages, W=steps.shape[1],
+        BT=max(16, triton.next_power_of_2(max_run)), num_warps=warps)
+    return final
+
+
 COMPILED: dict = {}          # the last launched compiled kernel per kind ("steps"): its n_regs / n_spills for gpu_check
 
 _SMS: dict = {}

@@ -1,0 +1,183 @@
+"""The compose pass's chain scan alone, at the 35B benchmark's shape, in each form and launch configuration (CUDA).
+
+The warm `pic` request's chain per linear layer: 20 seam runs of 8 tokens, each followed by its cached segment, then
+4 query runs of 16 tokens; 32 value heads, K = V = 128; the runs' outputs corrected in place (FUSE_CORRECTION). Forms:
+
+    dense        the default: runs' [S | T] dense (`scan_steps`)
+    factored     runs' transitions as T = g I - Kd^T W (RUN_FACTORS)
+    pairs        a seam run and the segment after it as one step (PAIR_STEPS; P^T made by its own launch, timed with it)
+    transposed   the dense form with the state held as x^T, the left operand of every product (`scan_steps_t`)
+
+Each form is checked against the fp64 chain (1e-5 relative, as tests/test_gpu.py) and timed by CUDA events over
+--reps launches after a warm-up (median per launch). Prints a table and writes JSON.
+
+    python benchmarks/scan_bench.py [--reps 50] [--out benchmarks/results]      # on the device
+    TRITON_INTERPRET=1 python benchmarks/scan_bench.py --device cpu --heads 1 --reps 1 --out /tmp/sb   # a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+H, K, V, E, L, W = 32, 128, 128, 20, 8, 16          # heads, key / value dims, segments, seam, factor width
+QRUNS, QLEN = 4, 16
+
+
+def chain(dev):
+    """The maps, tables and run outputs of one request's chain at the 35B shape (random maps of norm ~0.9)."""
+    g = torch.Generator(device=dev).manual_seed(5)
+    n = E + QRUNS
+    init = torch.randn(1, H, K, V, device=dev, generator=g)
+    T = torch.randn(E, H, K, K, device=dev, generator=g) / K ** .5 * .9
+    S = torch.randn(E, H, K, V, device=dev, generator=g)
+    S_r = torch.randn(n, H, K, V, device=dev, generator=g)
+    F = torch.zeros(n, H, 2 * W + 1, K, device=dev)
+    lens = [L] * E + [QLEN] * QRUNS
+    for i, ln in enumerate(lens):
+        F[i, :, :ln] = torch.randn(H, ln, K, device=dev, generator=g) / K ** .5 * .4
+        F[i, :, W:W + ln] = torch.randn(H, ln, K, device=dev, generator=g) / K ** .5 * .4
+    F[:, :, 2 * W, 0] = 0.9 + 0.1 * torch.rand(n, H, device=dev, generator=g)
+    from hypic.ops.reference.gated_delta import factors_to_dense
+
+    dense = factors_to_dense(S_r, F).contiguous()
+    order = [m for i in range(E) for m in (E + i, i)] + list(range(2 * E, E + n))
+    t0s, acc = {}, 0
+    for m in order:
+        if m >= E:
+            t0s[m] = acc
+            acc += lens[m - E]
+    outs = torch.randn(acc, H, V + K, device=dev, generator=g)
+    return dict(init=init, T=T, S=S, S_r=S_r, F=F, dense=dense, order=order, t0s=t0s, lens=lens, outs=outs, n=n)
+
+
+def tables(c, form, dev):
+    E_, order, t0s, lens = E, c["order"], c["t0s"], c["lens"]
+    rows, j, npair = [], 0, 0
+    run_row = (lambda m: [(m - E_) * H * K * (V + K) * 4] * 2) if form in ("dense", "transposed") else \
+        (lambda m: [(m - E_) * H * (2 * W + 1) * K * 4, (m - E_) * H * K * V * 4])
+    while j < len(order):
+        m = order[j]
+        if m < E_:
+            rows.append([c["T"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0, 0, 0, 0])
+        elif form == "pairs" and j + 1 < len(order) and order[j + 1] < E_:
+            e = order[j + 1]
+            rows.append(run_row(m) + [2, m, t0s[m], lens[m - E_], c["T"][e].data_ptr(), c["S"][e].data_ptr(),
+                                      npair * H * W * K * 4])
+            npair += 1
+            j += 1
+        else:
+            rows.append(run_row(m) + [1, m, t0s[m], lens[m - E_], 0, 0, 0])
+        j += 1
+    cols = 9 if form == "pairs" else 6
+    steps = torch.tensor([r[:cols] for r in rows], dtype=torch.int64, device=dev)
+    cu = torch.tensor([0, len(rows)], dtype=torch.int32, device=dev)
+    return steps, cu
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--heads", type=int, default=H, help="fewer for a dry run in Triton's interpreter on the CPU")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    globals()["H"] = args.heads
+    from hypic.compose import scan as sc
+    from hypic.ops import triton_scan as ts
+
+    dev = torch.device(args.device)
+    c = chain(dev)
+    b0, f0 = sc.scan_dense_reference(c["init"].double(), c["T"].double(), c["S"].double(), [0, len(c["order"])],
+                                     c["order"], c["dense"].double())
+    runs_in_order = [m for m in c["order"] if m >= E]
+    reps_l = [c["lens"][m - E] for m in runs_in_order]
+    starts = b0[runs_in_order].double().repeat_interleave(torch.tensor(reps_l, device=dev), 0)
+    want = c["outs"][..., :V].double() + torch.einsum("nhk,nhkv->nhv", c["outs"][..., V:].double(), starts)
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
+    room = torch.zeros(E, H, W, K, device=dev)
+    forms = {
+        "dense": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)],
+        "factored": [(32, 8, 2), (32, 8, 1)],
+        "pairs": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)],
+        "transposed": [(32, 8, 2), (32, 4, 2), (64, 8, 2), (64, 4, 2), (64, 8, 1), (32, 8, 1), (16, 4, 2)],
+    }
+    rows, t_start = [], time.time()
+    for form, cfgs in forms.items():
+        steps, cu = tables(c, form, dev)
+        for cfg in cfgs:
+            got = c["outs"].clone()
+
+            def launch(o=got, steps=steps, cu=cu, cfg=cfg, form=form):
+                if form == "transposed":
+                    return ts.scan_steps_t(c["init"], steps, cu, c["dense"], o, max_run=QLEN, bv=cfg[0], warps=cfg[1],
+                                           stages=cfg[2])
+                kw = dict(outputs=o, max_run=QLEN, bv=cfg[0], warps=cfg[1], stages=cfg[2])
+                if form == "dense":
+                    return ts.scan_steps(c["init"], steps, cu, c["dense"], E + c["n"], **kw)[1]
+                kw.update(factors=c["F"], pairs=room if form == "pairs" else None)
+                return ts.scan_steps(c["init"], steps, cu, c["S_r"], E + c["n"], **kw)[1]
+            row = dict(form=form, config=list(cfg), steps=int(steps.shape[0]))
+            try:
+                final = launch()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as e:            # a configuration that cannot be built here (resources)
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+                print(row, flush=True)
+                if "illegal" in str(e):
+                    break
+                continue
+            row["final_rel"], row["corrected_rel"] = rel(final, f0[0]), rel(got[..., :V], want)
+            ok = row["final_rel"] < 1e-5 and row["corrected_rel"] < 1e-5
+            scratch = c["outs"].clone()
+            times = []
+            for _ in range(args.reps):
+                if dev.type != "cuda":                    # the dry run: wall clock of the interpreter
+                    t = time.perf_counter()
+                    launch(scratch)
+                    times.append((time.perf_counter() - t) * 1e6)
+                    continue
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                launch(scratch)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3)
+            row.update(us=statistics.median(times), us_min=min(times), ok=ok)
+            comp = ts.COMPILED.get("steps_t" if form == "transposed" else "steps")
+            if comp is not None:
+                row.update(regs=getattr(comp, "n_regs", None), spills=getattr(comp, "n_spills", None))
+            rows.append(row)
+            print(f"{form:11s} {str(cfg):13s} {row['us']:8.1f} us/launch (min {row['us_min']:.1f}); steps "
+                  f"{row['steps']}; rel {row['final_rel']:.1e} / {row['corrected_rel']:.1e}; regs {row.get('regs')} "
+                  f"spills {row.get('spills')}{'' if ok else '  WRONG'}", flush=True)
+    print(f"\n| form | config (bv, warps, stages) | steps | us per launch (median) | registers | spills | fp64 check |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        if "us" in r:
+            print(f"| {r['form']} | {tuple(r['config'])} | {r['steps']} | {r['us']:.1f} | {r.get('regs')} | "
+                  f"{r.get('spills')} | {'ok' if r['ok'] else 'WRONG'} |")
+        else:
+            print(f"| {r['form']} | {tuple(r['config'])} | {r['steps']} | not built: {r['error'][:60]} | | | |")
+    best = {f: min((r["us"] for r in rows if r["form"] == f and r.get("ok")), default=None) for f in forms}
+    print("best per form (us):", best, f"({time.time() - t_start:.0f} s)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)"
+    (out / "scan_bench.json").write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), device=name,
+                                                          torch=torch.__version__, rows=rows, best=best), indent=1))
+
+
+if __name__ == "__main__":
+    main()
