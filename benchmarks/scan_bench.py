@@ -5,10 +5,10 @@ The warm `pic` request's chain per linear layer: 20 seam runs of 8 tokens, each 
 
     dense        the default: runs' [S | T] dense (`scan_steps`)
     factored     runs' transitions as T = g I - Kd^T W (RUN_FACTORS)
-    pairs        a seam run and the segment after it as one step (PAIR_STEPS; P^T made by its own launch, timed with it)
-    transposed   the dense form with the state held as x^T, the left operand of every product (`scan_steps_t`)
 
-Each form is checked against the fp64 chain (1e-5 relative, as tests/test_gpu.py) and timed by CUDA events over
+(Runs 54-55 also timed, at git 4a0a8c6, a seam run and the segment after it as one step and the state held
+transposed: both slower, removed; their rows are in benchmarks/results/gpu/scan_bench_run5{4,5}.json.)
+--wide: the 16-warp configurations. Each form is checked against the fp64 chain (1e-5 relative, as tests/test_gpu.py) and timed by CUDA events over
 --reps launches after a warm-up (median per launch). Prints a table and writes JSON.
 
     python benchmarks/scan_bench.py [--reps 50] [--out benchmarks/results]      # on the device
@@ -62,24 +62,17 @@ def chain(dev):
 
 def tables(c, form, dev):
     E_, order, t0s, lens = E, c["order"], c["t0s"], c["lens"]
-    rows, j, npair = [], 0, 0
-    run_row = (lambda m: [(m - E_) * H * K * (V + K) * 4] * 2) if form in ("dense", "transposed") else \
+    rows, j = [], 0
+    run_row = (lambda m: [(m - E_) * H * K * (V + K) * 4] * 2) if form == "dense" else \
         (lambda m: [(m - E_) * H * (2 * W + 1) * K * 4, (m - E_) * H * K * V * 4])
     while j < len(order):
         m = order[j]
         if m < E_:
-            rows.append([c["T"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0, 0, 0, 0])
-        elif form == "pairs" and j + 1 < len(order) and order[j + 1] < E_:
-            e = order[j + 1]
-            rows.append(run_row(m) + [2, m, t0s[m], lens[m - E_], c["T"][e].data_ptr(), c["S"][e].data_ptr(),
-                                      npair * H * W * K * 4])
-            npair += 1
-            j += 1
+            rows.append([c["T"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0])
         else:
-            rows.append(run_row(m) + [1, m, t0s[m], lens[m - E_], 0, 0, 0])
+            rows.append(run_row(m) + [1, m, t0s[m], lens[m - E_]])
         j += 1
-    cols = 9 if form == "pairs" else 6
-    steps = torch.tensor([r[:cols] for r in rows], dtype=torch.int64, device=dev)
+    steps = torch.tensor(rows, dtype=torch.int64, device=dev)
     cu = torch.tensor([0, len(rows)], dtype=torch.int32, device=dev)
     return steps, cu
 
@@ -90,6 +83,7 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--heads", type=int, default=H, help="fewer for a dry run in Triton's interpreter on the CPU")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--wide", action="store_true", help="the 16-warp configurations instead")
     args = ap.parse_args()
     globals()["H"] = args.heads
     from hypic.compose import scan as sc
@@ -104,13 +98,9 @@ def main():
     starts = b0[runs_in_order].double().repeat_interleave(torch.tensor(reps_l, device=dev), 0)
     want = c["outs"][..., :V].double() + torch.einsum("nhk,nhkv->nhv", c["outs"][..., V:].double(), starts)
     rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
-    room = torch.zeros(E, H, W, K, device=dev)
-    forms = {
-        "dense": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)],
-        "factored": [(32, 8, 2), (32, 8, 1)],
-        "pairs": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)],
-        "transposed": [(32, 8, 2), (32, 4, 2), (64, 8, 2), (64, 4, 2), (64, 8, 1), (32, 8, 1), (16, 4, 2)],
-    }
+    forms = {"dense": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)], "factored": [(32, 8, 2), (32, 8, 1)]}
+    if args.wide:              # 16 warps: T [128 x 128] at 32 registers per thread instead of 64 (run 31 saw a fault
+        forms = {"dense": [(32, 16, 2), (32, 16, 1), (64, 16, 1)]}       # in the factored form with 16 warps)
     rows, t_start = [], time.time()
     for form, cfgs in forms.items():
         steps, cu = tables(c, form, dev)
@@ -118,14 +108,10 @@ def main():
             got = c["outs"].clone()
 
             def launch(o=got, steps=steps, cu=cu, cfg=cfg, form=form):
-                if form == "transposed":
-                    return ts.scan_steps_t(c["init"], steps, cu, c["dense"], o, max_run=QLEN, bv=cfg[0], warps=cfg[1],
-                                           stages=cfg[2])
                 kw = dict(outputs=o, max_run=QLEN, bv=cfg[0], warps=cfg[1], stages=cfg[2])
                 if form == "dense":
                     return ts.scan_steps(c["init"], steps, cu, c["dense"], E + c["n"], **kw)[1]
-                kw.update(factors=c["F"], pairs=room if form == "pairs" else None)
-                return ts.scan_steps(c["init"], steps, cu, c["S_r"], E + c["n"], **kw)[1]
+                return ts.scan_steps(c["init"], steps, cu, c["S_r"], E + c["n"], factors=c["F"], **kw)[1]
             row = dict(form=form, config=list(cfg), steps=int(steps.shape[0]))
             try:
                 final = launch()
@@ -155,7 +141,7 @@ def main():
                 b.synchronize()
                 times.append(a.elapsed_time(b) * 1e3)
             row.update(us=statistics.median(times), us_min=min(times), ok=ok)
-            comp = ts.COMPILED.get("steps_t" if form == "transposed" else "steps")
+            comp = ts.COMPILED.get("steps")
             if comp is not None:
                 row.update(regs=getattr(comp, "n_regs", None), spills=getattr(comp, "n_spills", None))
             rows.append(row)

@@ -158,76 +158,6 @@ def test_triton_scan_matches_fp64():
 
 
 @cuda
-def test_triton_scan_pair_steps_matches_fp64():
-    """The chain with each seam run and the cached map after it as one step (layers/linear.py PAIR_STEPS) at the 35B
-    model's shape (K = V = 128, 32 heads, 20 pairs of an 8-token run's factored transition and a cached map, then 4
-    query runs), in every configuration the tuner may pick, with and without the runs' outputs corrected in place,
-    against the fp64 chain over the dense maps: P^T = Kd T_e^T and the step's products are tf32x3 (fp32-level), so
-    1e-5 relative after 44 maps as the other scan tests; a stale pair row past the chain is never read."""
-    pytest.importorskip("triton")
-    from hypic.compose import scan as sc
-    from hypic.ops import triton_scan
-    from hypic.ops.reference.gated_delta import factors_to_dense
-
-    g = torch.Generator(device="cuda").manual_seed(4)
-    H, K, V, E, N, L, w = 32, 128, 128, 20, 24, 8, 16
-    init = torch.randn(2, H, K, V, device="cuda", generator=g)
-    T = torch.randn(E, H, K, K, device="cuda", generator=g) / K ** .5 * .9
-    S = torch.randn(E, H, K, V, device="cuda", generator=g)
-    S_r = torch.randn(N, H, K, V, device="cuda", generator=g)
-    F = torch.zeros(N, H, 2 * w + 1, K, device="cuda")
-    F[:, :, :L] = torch.randn(N, H, L, K, device="cuda", generator=g) / K ** .5 * .5        # Kd (rows past L zero)
-    F[:, :, w:w + L] = torch.randn(N, H, L, K, device="cuda", generator=g) / K ** .5 * .5   # W
-    F[:, :, 2 * w, 0] = 0.9 + 0.1 * torch.rand(N, H, device="cuda", generator=g)          # gamma
-    order = [m for i in range(E) for m in (E + i, i)] + list(range(2 * E, E + N))
-    b0, f0 = sc.scan_dense_reference(init[:1].double(), T.double(), S.double(), [0, len(order)], order,
-                                     factors_to_dense(S_r, F).double())
-    rows, t0, j, npair = [], 0, 0, 0
-    fo, so = (lambda m: (m - E) * H * (2 * w + 1) * K * 4), (lambda m: (m - E) * H * K * V * 4)
-    while j < len(order):
-        m = order[j]
-        if j + 1 < len(order) and m >= E and order[j + 1] < E:
-            e = order[j + 1]
-            rows.append([fo(m), so(m), 2, m, t0, L, T[e].data_ptr(), S[e].data_ptr(), npair * H * w * K * 4])
-            npair, j = npair + 1, j + 2
-        else:
-            rows.append([fo(m), so(m), 1, m, t0, L, 0, 0, 0])
-            j += 1
-        t0 += L
-    rows.append([0, 0, 2, 0, 0, 0, 8, 8, 0])                 # stale: past the chain's end, its addresses invalid
-    steps = torch.tensor(rows, dtype=torch.int64, device="cuda")
-    cu = torch.tensor([0, len(rows) - 1, len(rows) - 1], dtype=torch.int32, device="cuda")
-    room = torch.zeros(E, H, w, K, device="cuda")
-    outs = torch.randn(t0, H, V + K, device="cuda", generator=g)
-    runs_in_order = [m for m in order if m >= E]
-    want = outs[..., :V].double() + torch.einsum(
-        "nhk,nhkv->nhv", outs[..., V:].double(), b0[runs_in_order].double().repeat_interleave(L, 0))
-    from triton.runtime.errors import OutOfResources
-
-    built = []
-    for cfg in triton_scan._CONFIGS:
-        for correct in (False, True):
-            try:
-                if correct:
-                    got = outs.clone()
-                    triton_scan.scan_steps(init[:1], steps, cu[:2], S_r, E + N, outputs=got, max_run=L, factors=F,
-                                           pairs=room, bv=cfg[0], warps=cfg[1], stages=cfg[2])
-                else:
-                    b1, f1 = triton_scan.scan_steps(init[:1], steps, cu[:2], S_r, E + N, factors=F, pairs=room,
-                                                    bv=cfg[0], warps=cfg[1], stages=cfg[2])
-            except OutOfResources:
-                continue
-            built.append(cfg)
-            if correct:
-                assert rel(got[..., :V], want) < 1e-5, cfg
-            else:
-                assert rel(f1, f0) < 1e-5 and rel(b1[E:], b0[E:]) < 1e-5, cfg
-    assert triton_scan._default(1, H, V, init.device) in built
-    print(f"pair steps: {len(rows) - 1} steps for {len(order)} maps; built {built}; "
-          f"registers {triton_scan.COMPILED['steps'].n_regs}, spills {triton_scan.COMPILED['steps'].n_spills}")
-
-
-@cuda
 def test_triton_scan_steps_matches_fp64():
     """The compose pass's step-table scan at the 35B model's shape (K = V = 128, 32 heads, a chain of 20 seam runs
     and 20 cached maps, then 4 query runs; the runs' outputs corrected in place), in every configuration the tuner
@@ -525,21 +455,6 @@ def test_cuda_graph_compose_matches_eager_buffers():
     for a, b in zip(pieces[1:], eager[1:]):
         assert a.token_ids == b.token_ids
         assert rel(a.logits, b.logits) < 1e-3
-    # each seam run and the cached segment after it as one scan step (PAIR_STEPS): other fp32 roundings of the
-    # chain, so against the eager buffers within the bf16 bound on the first token's logits
-    from hypic.layers import linear as lin
-
-    lin.PAIR_STEPS = True
-    try:
-        eng.composer = GraphCompose(eng.model, "cuda", torch.bfloat16, graphs=True)
-        paired = [llm.generate([p], sp)[0] for p in ps]
-        bufs = next(iter(eng.composer.ready.values()))[0]
-    finally:
-        lin.PAIR_STEPS = False
-    assert eng.composer.captures == 1 and any("pairs" in b for b in bufs.layers.values())
-    assert int(bufs.cu_steps[1]) < int(bufs.cu_maps[1])
-    for a, b in zip(paired[1:], eager[1:]):
-        assert rel(a.logits[0], b.logits[0]) < 2e-2
 
 
 @cuda
@@ -735,25 +650,6 @@ b0, f0 = sc.scan_dense_reference(init_f.double(), torch.stack(T_f).double(), tor
                                  order_f, factors_to_dense(S_r, F_r).double())
 b1, f1 = triton_scan.scan_steps(init_f, torch.tensor(rows_f, dtype=torch.int64), cu_f, S_r, 2 + nr, factors=F_r)
 assert rel(f1, f0) < 1e-6 and rel(b1[2:], b0[2:]) < 1e-6
-# a seam run and the cached map after it as one step (PAIR_STEPS): rows of kind 2, P^T made before the scan
-rows_p, j, np_ = [], 0, 0
-while j < len(order_f):
-    m = order_f[j]
-    if m >= 2 and j + 1 < 5 and order_f[j + 1] < 2:
-        rows_p.append(rows_f[j] + [0, 0, T_f[order_f[j + 1]].data_ptr(), S_f[order_f[j + 1]].data_ptr(),
-                                   np_ * hv * wd * dk * 4])
-        rows_p[-1][2] = 2
-        np_, j = np_ + 1, j + 2
-    else:
-        rows_p.append(rows_f[j] + [0, 0, 0, 0, 0])
-        j += 1
-rows_p.append([7, 7, 2, 0, 0, 0, 8, 8, 0])                  # stale, past the chains: never read
-cu_p = torch.tensor([0, 3, 4], dtype=torch.int32)          # run+entry, run+entry, run | run
-room = torch.zeros(2, hv, wd, dk)
-b1, f1 = triton_scan.scan_steps(init_f, torch.tensor(rows_p, dtype=torch.int64), cu_p, S_r, 2 + nr, factors=F_r,
-                                pairs=room)
-assert np_ == 2 and rel(f1, f0) < 1e-6 and rel(b1[2:], b0[2:]) < 1e-6
-assert rel(room[0], (F_r[order_f[0] - 2, :, :wd] @ T_f[0].transpose(-1, -2)).double()) < 1e-6
 # with the readout correction fused: runs' outputs corrected by their true initial states
 lens_f = [lens[m - 2] for m in order_f if m >= 2]
 t0s, acc = {}, 0
@@ -882,21 +778,17 @@ out["eager"] = [llm.generate([p], sp)[0] for p in ps]
 from hypic.layers import linear as lin
 from hypic.runtime import compose_graph as cg
 cg.COPY_BY_ADDRESS = True                      # the fill's packing through the copy kernel (default: torch.cat)
-for factored in (False, True, "pairs"):        # the runs' transitions dense [S | T] (default) or factored, or
-    lin.RUN_FACTORS = factored is True         # each seam run paired with the cached segment after it
-    lin.PAIR_STEPS = factored == "pairs"
+for factored in (False, True):                 # the runs' transitions dense [S | T] (default) or factored
+    lin.RUN_FACTORS = factored
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
     got = [llm.generate([p], sp)[0] for p in ps]
     bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
     assert getattr(bufs0, "copy_tables", None)                      # the fill went through the copy kernel
     lay0 = bufs0.layers[0]
     assert llm.engine.composer.runs == len(ps) and "steps" in lay0 and lay0.get("factor_width") == (16 if factored else None)
-    if factored == "pairs":                    # the chain did take pair steps: fewer steps than maps
-        assert "pairs" in lay0 and bufs0.steps[0].shape[-1] == 9
-        assert int(bufs0.cu_steps[1]) < int(bufs0.cu_maps[1]), (bufs0.cu_steps, bufs0.cu_maps)
     for a, b in zip(out["eager"], got):
         assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4, factored
-lin.RUN_FACTORS = lin.PAIR_STEPS = False
+lin.RUN_FACTORS = False
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):

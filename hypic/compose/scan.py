@@ -57,16 +57,15 @@ def scan_dense(init, T, S, cu, order=None, runs=None, runs_only: bool = False):
     return _kernel()(init, T, S, cu, order=order, runs=runs, runs_only=runs_only)
 
 
-def scan_steps(init, steps, cu, runs, slots: int, outputs=None, max_run: int = 16, factors=None, pairs=None):
+def scan_steps(init, steps, cu, runs, slots: int, outputs=None, max_run: int = 16, factors=None):
     """The compose pass's form on CUDA (ops/triton_scan.scan_steps): each chain step's T and S named by
     address in a step table, runs' [S | T] in place (or their S, with their transitions as `factors`:
     reference `run_factors`); `before` written at the runs' slots only, or, given the run summaries'
-    outputs, those corrected in place to the runs' true initial states; with `pairs` (room for P^T), a seam
-    run and the cached map after it as one step. Needs the Triton kernel (`kernel_ready`)."""
+    outputs, those corrected in place to the runs' true initial states. Needs the Triton kernel
+    (`kernel_ready`)."""
     from ..ops.fast import triton_kernel
 
-    return triton_kernel("steps")(init, steps, cu, runs, slots, outputs=outputs, max_run=max_run, factors=factors,
-                                  pairs=pairs)
+    return triton_kernel("steps")(init, steps, cu, runs, slots, outputs=outputs, max_run=max_run, factors=factors)
 
 
 def kernel_ready(device) -> bool:

@@ -146,11 +146,8 @@ class LinearMixer(nn.Module):
             # chunked summary kernel gives them (RUN_FACTORS; its width: the padded run length)
             shared.setdefault("steps", []).append(buf)
             buf["keep"] = []
-            if (RUN_FACTORS or PAIR_STEPS) and self.factored_runs(shape.lmax):
-                w = buf["factor_width"] = factor_width(shape.lmax)
-                if PAIR_STEPS:            # room for each pair's P^T (at most one pair per entry), one per shape
-                    buf["pairs"] = shared.setdefault(("pairs", h, k, w),
-                                                     torch.zeros(max(e, 1), h, w, k, device=device))
+            if RUN_FACTORS and self.factored_runs(shape.lmax):
+                buf["factor_width"] = factor_width(shape.lmax)
         else:
             buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))
         return buf
@@ -200,16 +197,10 @@ class LinearMixer(nn.Module):
                 addr[i] = a
             buf["keep"], buf["parts"] = keep, parts
             rows = buf["steps_host"].numpy()
-            is_run, off_t, off_s, ent, rest = self._step_columns(low, buf.get("factor_width"), "pairs" in buf)
-            n = is_run.shape[0]
-            rows[:n, 0] = np.where(is_run, off_t, addr[ent, 0])
-            rows[:n, 1] = np.where(is_run, off_s, addr[ent, 1])
-            rows[:n, 2:6] = rest[:, :4]
-            if "pairs" in buf:                         # a pair's T_e, S_e addresses and its P^T's offset
-                pair = rest[:, 0] == 2
-                rows[:n, 6] = np.where(pair, addr[ent, 0], 0)
-                rows[:n, 7] = np.where(pair, addr[ent, 1], 0)
-                rows[:n, 8] = rest[:, 4]
+            is_run, off_t, off_s, ent, rest = self._step_columns(low, buf.get("factor_width"))
+            rows[:, 0] = np.where(is_run, off_t, addr[ent, 0])
+            rows[:, 1] = np.where(is_run, off_s, addr[ent, 1])
+            rows[:, 2:] = rest
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
@@ -227,42 +218,26 @@ class LinearMixer(nn.Module):
                          for p, (_, n) in zip(parts, low.tail_rows) if n]
                 torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
 
-    def _step_columns(self, low, width: int | None, pairs: bool = False):
-        """The step table's columns every layer of this state shape shares, made once per request, a row per
-        scan step: is_run, each run's byte offsets (of its [S | T]; or, with factors of `width` rows, of its
-        factors and of its S), each cached map's entry index, and (kind, slot, first token, tokens, P^T offset).
-        pairs: a seam run and the cached segment after it are one step (kind 2; its entry index the segment's),
-        the steps in the order of compose_graph.chain_steps (cu_steps counts them)."""
-        key = ("steps", self.state_shape, width, pairs)
+    def _step_columns(self, low, width: int | None):
+        """The step table's columns every layer of this state shape shares, made once per request: is_run,
+        each run's byte offsets (of its [S | T]; or, with factors of `width` rows, of its factors and of its S),
+        each cached map's entry index, and (is_run, slot, first token, tokens)."""
+        key = ("steps", self.state_shape, width)
         hit = low.memo.get(key)
         if hit is None:
-            from ..runtime.compose_graph import chain_steps
-
             h, k, v = self.state_shape
             e = len(low.entries)
             order = low.tables["order"].numpy().astype(np.int64)
-            kind = (order >= e).astype(np.int64)
-            ent = np.minimum(order, e - 1)
-            pair_off = np.zeros(order.shape[0], dtype=np.int64)
-            if pairs:
-                main = int(low.tables["cu_maps"][1])
-                steps = chain_steps(order, e, main)
-                at = np.asarray([j for j, _ in steps] + list(range(main, order.shape[0])), dtype=np.int64)
-                two = np.asarray([j for j, m in steps if m == 2], dtype=np.int64)
-                kind[two] = 2
-                ent[two] = order[two + 1]
-                pair_off[two] = np.arange(two.shape[0]) * (h * width * k * 4)
-                order, kind, ent, pair_off = order[at], kind[at], ent[at], pair_off[at]
-            is_run = kind != 0
+            is_run = order >= e
             ri = np.maximum(order - e, 0)                                  # run index (0 for cached maps)
             cu = low.tables["cu"].numpy()                                 # each run's tokens (for the correction)
-            rest = np.stack([kind, order, np.where(is_run, cu[ri], 0), np.where(is_run, cu[ri + 1] - cu[ri], 0),
-                             pair_off], axis=1)
+            rest = np.stack([is_run.astype(np.int64), order, np.where(is_run, cu[ri], 0),
+                             np.where(is_run, cu[ri + 1] - cu[ri], 0)], axis=1)
             if width is None:
                 off_t = off_s = ri * (h * k * (v + k) * 4)
             else:
                 off_t, off_s = ri * (h * (2 * width + 1) * k * 4), ri * (h * k * v * 4)
-            hit = low.memo[key] = (is_run, off_t, off_s, ent, rest)
+            hit = low.memo[key] = (is_run, off_t, off_s, np.minimum(order, e - 1), rest)
         return hit
 
     def _forward_captured(self, x, f, batch):
@@ -317,12 +292,9 @@ class LinearMixer(nn.Module):
             # fused, the pad runs need no chain (their outputs only need to be finite, and are from zero): the
             # request's chain alone (the pad chain's 128 programs took half the SMs of the first wave, H200 run 34)
             chains = 1 if fused else 2
-            paired = "pairs" in buf
-            cu_steps = c.cu_steps if paired else c.cu_maps
             try:
-                before, final = scan_steps(buf["init"][:chains], buf["steps"], cu_steps[: chains + 1], runs,
-                                           e + sh.runs, outputs=full, max_run=sh.lmax, factors=factors,
-                                           pairs=buf["pairs"] if paired else None)
+                before, final = scan_steps(buf["init"][:chains], buf["steps"], c.cu_maps[: chains + 1], runs,
+                                           e + sh.runs, outputs=full, max_run=sh.lmax, factors=factors)
             except Exception as err:  # the maps stacked from now on (eager)
                 kernel_failed("steps", err)
             else:
@@ -757,13 +729,11 @@ LONG_CHAINS_PHASED = True
 FUSE_CORRECTION = True             # the compose pass's step-table scan corrects the runs' outputs itself
 # the compose pass's runs' transitions in factored form where a kernel gives them (T = gamma I - Kd^T W). Off: the
 # dense [S | T] was 0.5 ms faster on the warm request in both interleaved runs (H200 runs 30, 31) and its chain
-# 8% faster in the micro-benchmark with the step's loads issued first (0.350 vs 0.382 ms); kept as a variant
+# 8% faster in the micro-benchmark with the step's loads issued first (0.350 vs 0.382 ms; run 54's scan_bench: 352 vs
+# 379 us); kept as a variant. (A seam run and the segment after it as one step, x <- T_e (g x + S_r) - P (W x) + S_e,
+# measured in runs 53-54 and removed: 447 us per chain against 352 in isolation, +0.81 ms on the warm request; the
+# step spills 170-250 values at 255 registers. Code at git 4a0a8c6.)
 RUN_FACTORS = False
-# the compose pass's chain with each seam run and the cached segment after it as one scan step (implies the factored
-# transitions): x <- T_e (gamma x + S_r) - P (W x) + S_e, P = T_e Kd^T made for all pairs in one launch before the
-# scan; the 35B warm request's chain 44 -> 24 steps per layer, with one dense [K x K] product per pair instead of
-# two. Off until gpu_bench's `pair_steps` variant has timed it (run 19 folded pairs densely: 3.5 ms slower)
-PAIR_STEPS = False
 
 
 def _chained(batch) -> bool:

@@ -143,10 +143,9 @@ def _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K: tl.constexpr, V:
 
 
 @triton.jit
-def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
-                off_at, off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
-                CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr,
-                PAIRS: tl.constexpr):
+def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk, off_at,
+                off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
+                CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr):
     """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
     S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
     a_addr) at that byte offset; with FACTORS its S [H, K, V] lies there and its transition's factors
@@ -157,16 +156,11 @@ def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, 
     The step's loads (S; T or its factors; the correction's u and o) are issued together before any product:
     a loaded value is used only after the last load is issued (H200 runs 33-36: 1.2 ms faster on the warm
     request than loads in the order of use, with dense runs). A masked load whose mask is off reads nothing,
-    so the map kind the step does not have costs no memory traffic.
-    PAIRS (with FACTORS; 9 columns): a row of kind 2 is a run r and the cached map e after it as one step,
-    x <- T_e (gamma x + S_r) - P (W x) + S_e with P = T_e Kd^T (`pair_products`, [BF, K] as P^T at byte offset
-    column 8 from p_addr; T_e, S_e addresses in columns 6, 7): one dense product and two thin ones instead of a
-    run step and a dense step one after the other."""
+    so the map kind the step does not have costs no memory traffic."""
     row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
-    kind = tl.load(row + 2)
-    is_run = kind != 0
+    is_run = tl.load(row + 2) != 0
     base = tl.where(is_run, a_addr, 0)
     if FACTORS:
         sp = (sv + base).to(tl.pointer_type(tl.float32))
@@ -174,23 +168,11 @@ def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, 
         fp = (tv + f_addr).to(tl.pointer_type(tl.float32)) + h * ((2 * BF + 1) * K)
         rf = tl.arange(0, BF)
         mf = ((rf < BF)[:, None] & (rk < K)[None, :]) & is_run
-        if PAIRS:
-            # a pair's thin left factor is P^T (made before the scan), a run's Kd; a pair's dense T is T_e's
-            is_pair = kind == 2
-            kdp = tl.where(is_pair, tl.load(row + 8) + p_addr + h * (BF * K * 4),
-                           tv + f_addr + h * ((2 * BF + 1) * K * 4)).to(tl.pointer_type(tl.float32))
-            kd = tl.load(kdp + rf[:, None] * K + rk[None, :], mask=mf, other=0.0)
-            tp = tl.where(is_pair, tl.load(row + 6), tv).to(tl.pointer_type(tl.float32))
-            t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & ((is_run == 0) | is_pair),
-                        other=0.0)
-            sep = tl.load(row + 7).to(tl.pointer_type(tl.float32))
-            se = tl.load(sep + h * (K * V) + rk[:, None] * V + rv[None, :], mask=m_kv & is_pair, other=0.0)
-        else:
-            kd = tl.load(fp + rf[:, None] * K + rk[None, :], mask=mf, other=0.0)
-            tp = tv.to(tl.pointer_type(tl.float32))
-            t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
+        kd = tl.load(fp + rf[:, None] * K + rk[None, :], mask=mf, other=0.0)
         wf = tl.load(fp + (BF + rf)[:, None] * K + rk[None, :], mask=mf, other=0.0)
         gam = tl.load(fp + 2 * BF * K, mask=is_run, other=0.0)
+        tp = tv.to(tl.pointer_type(tl.float32))
+        t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
     else:
         t, s = _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
     if CORRECT:
@@ -206,14 +188,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, 
     if FACTORS:
         if is_run:
             y = tl.dot(wf, x, input_precision=PREC)                                    # [BF, BV]
-            if PAIRS:
-                if is_pair:
-                    z = tl.dot(t, gam * x + s, input_precision=PREC)
-                    xn = z - tl.dot(tl.trans(kd), y, input_precision=PREC) + se
-                else:
-                    xn = gam * x - tl.dot(tl.trans(kd), y, input_precision=PREC) + s
-            else:
-                xn = gam * x - tl.dot(tl.trans(kd), y, input_precision=PREC) + s
+            xn = gam * x - tl.dot(tl.trans(kd), y, input_precision=PREC) + s
         else:
             xn = tl.dot(t, x, input_precision=PREC) + s
         return xn
@@ -221,10 +196,10 @@ def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, 
 
 
 @triton.jit
-def _scan_steps_kernel(init, steps, a_addr, f_addr, p_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
+def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                        STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
-                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr, PAIRS: tl.constexpr):
+                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -243,130 +218,15 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, p_addr, before, final, cu, o
     j1 = tl.load(cu + r + 1)
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            x = _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk,
-                            off_kk, off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, PAIRS)
+            x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN)
     else:
         j = j0
         while j < j1:
-            x = _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk,
-                            off_kk, off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, PAIRS)
+            x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN)
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
-
-
-@triton.jit
-def _pair_kernel(steps, cu, f_addr, p_addr, W: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr,
-                 PREC: tl.constexpr):
-    """Program (step row j, value head h): for a pair row (kind 2) of the first chain, P^T = Kd T_e^T [BF, K] (the
-    run's Kd from its factors, T_e by address) to its offset (column 8) from p_addr. Rows past the chain's end
-    (cu[1]) may hold an earlier request's pairs: skipped."""
-    j = tl.program_id(0)
-    h = tl.program_id(1)
-    row = steps + j.to(tl.int64) * W
-    kind = tl.load(row + 2)
-    n = tl.load(cu + 1)
-    if (kind == 2) & (j < n):
-        rk = tl.arange(0, BK)
-        rf = tl.arange(0, BF)
-        mk = rk < K
-        fp = (tl.load(row) + f_addr).to(tl.pointer_type(tl.float32)) + h * ((2 * BF + 1) * K)
-        kd = tl.load(fp + rf[:, None] * K + rk[None, :], mask=mk[None, :], other=0.0)            # [BF, K]
-        tp = tl.load(row + 6).to(tl.pointer_type(tl.float32)) + h * (K * K)
-        t = tl.load(tp + rk[:, None] * K + rk[None, :], mask=mk[:, None] & mk[None, :], other=0.0)
-        pt = tl.dot(kd, tl.trans(t), input_precision=PREC)                                        # Kd T_e^T
-        pp = (tl.load(row + 8) + p_addr).to(tl.pointer_type(tl.float32)) + h * (BF * K)
-        tl.store(pp + rf[:, None] * K + rk[None, :], pt, mask=mk[None, :])
-
-
-@triton.jit
-def _t_step(xt, j, steps, a_addr, ou, s_ot, s_oh, h, rk, rv, mk, mv, m_vk, m_kk, off_vk, off_kk, off_at, off_as,
-            K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr, BT: tl.constexpr):
-    """Step j of `_scan_steps_t_kernel`: the run's outputs corrected by x (as x^T u), then x^T <- x^T T^T + S^T."""
-    tt = tl.arange(0, BT)
-    row = steps + j.to(tl.int64) * W
-    tv = tl.load(row)
-    sv = tl.load(row + 1)
-    is_run = tl.load(row + 2) != 0
-    if is_run:
-        tp = (tv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
-        sp = (sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
-        t = tl.load(tp + off_at, mask=m_kk, other=0.0)
-        st = tl.load(sp + off_as, mask=m_vk, other=0.0)
-    else:
-        tp = tv.to(tl.pointer_type(tl.float32)) + h * (K * K)
-        sp = sv.to(tl.pointer_type(tl.float32)) + h * (K * V)
-        t = tl.load(tp + off_kk, mask=m_kk, other=0.0)
-        st = tl.load(sp + off_vk, mask=m_vk, other=0.0)
-    t0 = tl.load(row + 4)
-    nt = tl.load(row + 5)
-    mt = (tt < nt) & is_run
-    rows = (t0 + tt).to(tl.int64) * s_ot + h * s_oh
-    u = tl.load(ou + rows[None, :] + V + rk[:, None], mask=mt[None, :] & mk[:, None], other=0.0)   # u^T [BK, BT]
-    optr = ou + rows[None, :] + rv[:, None]                                                     # o^T [BV, BT]
-    mo = mt[None, :] & mv[:, None]
-    o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
-    if is_run:
-        corr = tl.dot(xt, u.to(tl.float32), input_precision=PREC)                              # x^T u [BV, BT]
-        tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mo)
-    xt = tl.dot(xt, tl.trans(t), input_precision=PREC) + st
-    return xt
-
-
-@triton.jit
-def _scan_steps_t_kernel(init, steps, a_addr, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                         W: tl.constexpr, BT: tl.constexpr):
-    """The step-table scan with dense runs and the runs' outputs corrected in place (the compose pass's default
-    form) holding the state transposed, x^T [BV, K]: a step is x^T <- x^T T^T + S^T and a run's correction
-    o_t^T = x^T u_t, so the state, the loop-carried value the chain waits on, is each product's left operand (which
-    a tensor-core product may take from registers) and only the maps, which do not depend on the state, are right
-    operands. An experiment beside `_scan_steps_kernel` (benchmarks/scan_bench.py times both); no factors, no
-    pairs."""
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    rk = tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
-    mk = rk < K
-    mv = rv < V
-    m_vk = mv[:, None] & mk[None, :]
-    m_kk = mk[:, None] & mk[None, :]
-    off_vk = rk[None, :] * V + rv[:, None]                        # element (k, v) of a [K, V] state, as [BV, BK]
-    off_kk = rk[:, None] * K + rk[None, :]
-    off_at = rk[:, None] * (V + K) + V + rk[None, :]
-    off_as = rk[None, :] * (V + K) + rv[:, None]
-    xt = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_vk, mask=m_vk, other=0.0)
-    j0 = tl.load(cu + r)
-    j1 = tl.load(cu + r + 1)
-    if STAGES > 1:
-        for j in tl.range(j0, j1, num_stages=STAGES):
-            xt = _t_step(xt, j, steps, a_addr, ou, s_ot, s_oh, h, rk, rv, mk, mv, m_vk, m_kk, off_vk, off_kk, off_at,
-                         off_as, K, V, PREC, W, BT)
-    else:                           # (Triton's interpreter cannot range over loaded bounds)
-        j = j0
-        while j < j1:
-            xt = _t_step(xt, j, steps, a_addr, ou, s_ot, s_oh, h, rk, rv, mk, mv, m_vk, m_kk, off_vk, off_kk, off_at,
-                         off_as, K, V, PREC, W, BT)
-            j += 1
-    tl.store(final + (r * H + h).to(tl.int64) * K * V + off_vk, xt, mask=m_vk)
-
-
-def scan_steps_t(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, outputs: torch.Tensor,
-                 *, max_run: int = 16, bv: int = 64, warps: int = 8, stages: int = 2, precision: str = "tf32x3"):
-    """`scan_steps` with dense runs and `outputs` (the compose pass's default form) by the transposed-state kernel;
-    returns final [R, H, K, V]. An experiment: benchmarks/scan_bench.py."""
-    r, h, k, v = init.shape
-    init = init.float().contiguous()
-    if not (runs.is_contiguous() and runs.dtype == torch.float32 and runs.shape[-1] == v + k):
-        raise ValueError("runs must be fp32, contiguous, [N, H, K, V + K]")
-    if steps.shape[1] < 6 or outputs.shape[1:] != (h, v + k) or outputs.stride(-1) != 1 or outputs.stride(1) != v + k:
-        raise ValueError("outputs must be [N, H, V + K] with rows of V + K, and steps need 6 columns")
-    final = torch.empty_like(init)
-    COMPILED["steps_t"] = _scan_steps_t_kernel[(r, h, triton.cdiv(v, bv))](
-        init, steps, runs.data_ptr(), final, cu, outputs, outputs.stride(0), outputs.stride(1), H=h, K=k, V=v,
-        BK=max(16, triton.next_power_of_2(k)), BV=bv, PREC=precision, STAGES=stages, W=steps.shape[1],
-        BT=max(16, triton.next_power_of_2(max_run)), num_warps=warps)
-    return final
 
 
 COMPILED: dict = {}          # the last launched compiled kernel per kind ("steps"): its n_regs / n_spills for gpu_check
@@ -384,7 +244,10 @@ def _sm_count(device) -> int:
 # (At 8 warps the factored, corrected step-table kernel uses 255 registers and spills: run 30, 60 values with
 # the loads first, 34 in order of use. H200 run 40 held the state in two halves of K and multiplied by quarters of
 # T, a quarter's tf32x3 split at a time: 363 against 296 us per layer, removed. 16 warps, tried in run 31, hit an
-# illegal memory access in the factored scan on the H200 (Triton 3.6), not investigated: not tried.)
+# illegal memory access in the factored scan on the H200 (Triton 3.6), not investigated: not tried. H200 run 55
+# (benchmarks/scan_bench.py --wide): 16 warps cap registers at 128 and still spill; the dense chain 592 us against 352
+# at (32, 8, 2); a seam run paired with the next segment in one step faulted at 16 warps. Run 54: the state held
+# transposed (x^T as every product's left operand, code at git 4a0a8c6) 418 us at best, and (64, 8, 1) miscompiled.)
 _CONFIGS = ((32, 8, 1), (64, 8, 1), (32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 2))
 TUNED: dict = {}              # shape key -> (bv, warps, stages), with the timings (benchmarks print them)
 
@@ -444,8 +307,8 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, orde
 
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
                outputs: torch.Tensor | None = None, max_run: int = 16, factors: torch.Tensor | None = None,
-               pairs: torch.Tensor | None = None, bv: int | None = None, warps: int | None = None,
-               stages: int | None = None, tune: bool = True, precision: str = "tf32x3"):
+               bv: int | None = None, warps: int | None = None, stages: int | None = None, tune: bool = True,
+               precision: str = "tf32x3"):
     """The compose pass's form: chains described step by step, no map copied.
 
     init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
@@ -459,10 +322,6 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     outputs (optional, needs the 6-column table): the run summaries' outputs [N, H, V + K] (o_t(0) in the first
     V columns, u_t in the last K), corrected in place to the runs' true initial states, o_t = o_t(0) +
     S0^T u_t, runs of at most max_run tokens; `before` is then not written.
-    pairs (optional, needs factors and a 9-column table) [NP, H, w, K] fp32 contiguous: room for the pairs' P^T.
-    A row (run's factor offset, run's S offset, 2, run's slot, first token, tokens, T_e address, S_e address,
-    p * H * w * K * 4) is the run and the cached map after it as one step (`_chain_step`); one launch before
-    the scan makes every pair's P^T = Kd T_e^T there (the first chain's only: the pad chain has no pairs).
     Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
     r, h, k, v = init.shape
     init = init.float().contiguous()
@@ -475,9 +334,6 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         if not (factors.is_contiguous() and factors.dtype == torch.float32 and factors.shape[-1] == k
                 and factors.shape[-2] == 2 * bf + 1 and bf >= 16):
             raise ValueError("factors must be fp32, contiguous, [N, H, 2 w + 1, K] with w >= 16")
-    if pairs is not None and (factors is None or steps.shape[1] < 9 or not pairs.is_contiguous()
-                              or pairs.dtype != torch.float32 or pairs.shape[1:] != (h, bf, k)):
-        raise ValueError("pairs need factors, a 9-column step table and room [NP, H, w, K] fp32 contiguous")
     correct = outputs is not None
     if correct and (steps.shape[1] < 6 or outputs.shape[1:] != (h, v + k) or outputs.stride(-1) != 1
                     or outputs.stride(1) != v + k):
@@ -491,20 +347,16 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     s_ot, s_oh = (outputs.stride(0), outputs.stride(1)) if correct else (0, 0)
 
     bt = max(16, triton.next_power_of_2(max_run))
-    p_addr = pairs.data_ptr() if pairs is not None else 0
-    if pairs is not None:
-        _pair_kernel[(steps.shape[0], h)](steps, cu, f_addr, p_addr, W=steps.shape[1], K=k, BK=bk, BF=bf,
-                                          PREC=precision, num_warps=4)
 
     def launch(cfg, _o=ou):
         b, w, st = cfg
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-            init, steps, a_addr, f_addr, p_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b,
-            PREC=precision, STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
-            EVEN=bk == k and v % b == 0, PAIRS=pairs is not None, num_warps=w)
+            init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
+            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
+            EVEN=bk == k and v % b == 0, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
-    form = "steps" if factors is None else ("steps+factors" if pairs is None else "steps+pairs")
+    form = "steps" if factors is None else "steps+factors"
     if bv is not None or warps is not None or stages is not None:
         cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
     elif tune and not correct:

@@ -15,9 +15,7 @@ once, on the host, to device tables, and the forward becomes a pure function of 
                scan a run's T in factored form, rank <= 16: layers/linear.py RUN_FACTORS); order [E + R] lists
                the slots in sequence order, then the pad runs as a second chain from zero (cu_maps
                [0, E + R_real, E + R]): the first chain's final state is the request's, and every
-               pad run gets a finite initial state without lengthening the request's chain; cu_steps the
-               same in scan steps where each seam run and the cached segment after it are one step
-               (`chain_steps`, layers/linear.py PAIR_STEPS)
+               pad run gets a finite initial state without lengthening the request's chain
     conv       one source buffer per linear layer: the initial window, the entries' tails packed,
                then the active raw inputs; conv_idx [Np, W] names each token's W inputs in it
     linear     the initial state [1, H, K, V] (the request's, after a cached prefix; else zero)
@@ -73,20 +71,6 @@ class ComposeShape:
     keys: int           # Kc bucket: cached keys per attention layer
     held: int           # P bucket: keys the request holds before the pass (a cached prefix)
     lmax: int           # longest run, padded (the readout correction's row count)
-
-
-def chain_steps(order, e: int, main: int) -> list[tuple[int, int]]:
-    """The request's chain (order[:main]) as scan steps where a seam run and the cached segment after it are one
-    step (layers/linear.py PAIR_STEPS): (j, 1) a map alone, (j, 2) the run at j with the entry at j + 1."""
-    out, j = [], 0
-    while j < main:
-        if order[j] >= e and j + 1 < main and order[j + 1] < e:
-            out.append((j, 2))
-            j += 2
-        else:
-            out.append((j, 1))
-            j += 1
-    return out
 
 
 def _round(n: int, step: int) -> int:
@@ -224,10 +208,8 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     tok_ids = np.zeros(np_, dtype=np.int64)
     tok_ids[:n] = ids[work.start:work.end]
     t = torch.from_numpy
-    m2 = len(chain_steps(order, e, main))              # the chain's steps with seam runs paired (PAIR_STEPS)
     tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), cu=t(cu),
                   cu_maps=torch.tensor([0, main, main + r - ri], dtype=torch.int32),
-                  cu_steps=torch.tensor([0, m2, m2 + r - ri], dtype=torch.int32),
                   order=torch.tensor(order, dtype=torch.int32),
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
@@ -314,7 +296,7 @@ class ComposeBuffers:
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.ids, self.positions, self.logits_index = z(np_), z(np_), z(1)
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
-        self.cu_maps, self.cu_steps, self.order = z(3, dt=torch.int32), z(3, dt=torch.int32), z(e + r, dt=torch.int32)
+        self.cu_maps, self.order = z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
         self.kpos, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(np_)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
@@ -334,7 +316,7 @@ class ComposeBuffers:
         for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
                                         "kperm", "qlast"] + (["conv_idx", "window"] if self.conv_idx is not None
                                                              else [])),
-                          (torch.int32, ["cu_maps", "cu_steps", "order"])):
+                          (torch.int32, ["cu_maps", "order"])):
             sizes = [getattr(self, nm).numel() for nm in names]
             dev = torch.zeros(sum(sizes), dtype=dt, device=device)
             host = torch.zeros(sum(sizes), dtype=dt, pin_memory=cuda)
@@ -350,9 +332,8 @@ class ComposeBuffers:
         self.steps = None
         users = shared.get("steps", [])
         if users:
-            cols = 9 if any("pairs" in b for b in users) else 6          # pair rows name T_e, S_e and P^T too
-            host = torch.zeros(len(users), e + r, cols, dtype=torch.long, pin_memory=cuda)
-            dev = torch.zeros(len(users), e + r, cols, dtype=torch.long, device=device)
+            host = torch.zeros(len(users), e + r, 6, dtype=torch.long, pin_memory=cuda)
+            dev = torch.zeros(len(users), e + r, 6, dtype=torch.long, device=device)
             for i, buf in enumerate(users):
                 buf["steps_host"], buf["steps"] = host[i], dev[i]
             self.steps = (host, dev)
