@@ -69,6 +69,23 @@ def forced(llm, prompt, cont: list[int]):
     return [float(logp[i, t]) for i, t in enumerate(cont)], logits.argmax(-1).tolist(), logp
 
 
+def weights_digest(model: str) -> str:
+    """The first 16 hex digits of sha256 over the model's weight files (a checkpoint directory's *.safetensors in
+    name order, or a single weights file such as a GGUF), recorded in every result row."""
+    import hashlib
+
+    p = Path(model)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else ([p] if p.is_file() else [])
+    if not files:
+        return "unknown"
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
 def run(a) -> None:
     import torch
 
@@ -79,9 +96,15 @@ def run(a) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = set()
+    digest = weights_digest(a.model)
     if out.exists():
         for line in open(out):
             r = json.loads(line)
+            if r.get("weights") != digest:
+                # a checkpoint directory keeps its name when its weights are replaced (kimi-kda-16m: runs 5-10):
+                # resuming would mix two models' answers in one cell
+                raise SystemExit(f"{out} holds results of other weights ({r.get('weights') or 'not recorded'}; "
+                                 f"{a.model}: {digest}): pass another --out")
             done.add((r["mode"], r["seam"], r["i"]))
     llm = LLM(a.model, cache_mode="full", device=a.device)
     eos = llm.tokenizer.eos_token_ids
@@ -113,7 +136,8 @@ def run(a) -> None:
                     continue
                 llm.set_policy(mode, seam)
                 t_q = time.perf_counter()
-                rec = {"model": a.model, "set": a.set, "format": a.format, "mode": mode, "seam": seam, "i": i,
+                rec = {"model": a.model, "weights": digest, "set": a.set, "format": a.format, "mode": mode,
+                       "seam": seam, "i": i,
                        "gold_position": order.index(row.get("gold", 0)), "gold": gold}
                 if a.forced:       # one teacher-forced pass: greedy exact match, first-token match, NLL
                     lp, top, rows_lp = forced(llm, prompt, cont)

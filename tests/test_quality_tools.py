@@ -36,3 +36,31 @@ def test_recombined_names_take_the_last_word_of_another():
     assert recombined(b, a, starts).tolist() == [5, 6, 7, 3, 4]
     single = np.array([1, 2])
     assert recombined(single, b, starts).tolist() == [1, 2] and recombined(a, single, starts).tolist() == a.tolist()
+
+
+def test_eval_results_record_the_weights_and_refuse_other_weights(tmp_path):
+    """eval_pic: every row names the weights it came from (sha256 of the weight files); a results file of other
+    weights under the same checkpoint name is not resumed (the KDA checkpoint directory has held six trainings)."""
+    import json
+    import types
+
+    import pytest
+    from eval_pic import run, weights_digest
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "model-00001-of-00002.safetensors").write_bytes(b"a" * 10)
+    (ck / "model-00002-of-00002.safetensors").write_bytes(b"b" * 10)
+    d0 = weights_digest(str(ck))
+    assert len(d0) == 16 and d0 == weights_digest(str(ck))
+    (ck / "model-00002-of-00002.safetensors").write_bytes(b"c" * 10)
+    assert weights_digest(str(ck)) != d0
+    assert weights_digest(str(tmp_path / "missing")) == "unknown"
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "eval_kc8.jsonl").write_text(json.dumps({"prefix": "", "segments": ["x"], "query": "q", "answer": "a"}) + "\n")
+    out = tmp_path / "res.jsonl"
+    out.write_text(json.dumps({"model": str(ck), "weights": d0, "mode": "full", "seam": 8, "i": 0}) + "\n")
+    a = types.SimpleNamespace(model=str(ck), data=str(data), set="kc8", n=1, out=str(out), threads=1)
+    with pytest.raises(SystemExit, match="other weights"):
+        run(a)
