@@ -188,12 +188,16 @@ def main():
     ap.add_argument("--mix", default="twohop=0.4,needle=0.2,kc=0.2,facts=0.2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=0, help="also save the checkpoint every N steps (0: at the end)")
+    ap.add_argument("--kc-subst", type=float, default=0.7,
+                    help="share of KC passages whose answer entity is replaced (as quality/train.py)")
+    ap.add_argument("--kc-recombine", type=float, default=0.0,
+                    help="share of those replacements that are a name no one has (as quality/train.py)")
     ap.add_argument("--max-steps", type=int, default=0,
                     help="stop after N steps, the LR schedule by step (reproducible); 0: by --minutes and time")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT / "quality"))
-    from train import Pools, RowMaker, load_xz  # noqa: E402
+    from train import Pools, RowMaker, load_xz, word_starts  # noqa: E402
 
     from hypic import LLM
 
@@ -205,7 +209,8 @@ def main():
         p.requires_grad_(True)
     P = Pools(load_xz(Path(args.data) / "train.bin.xz"))
     mix = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}
-    maker = RowMaker(P, args.budget, args.seed, mix)
+    starts = word_starts(Path(args.data) / "tokenizer.json") if args.kc_recombine > 0 else None
+    maker = RowMaker(P, args.budget, args.seed, mix, args.kc_subst, args.kc_recombine, starts)
     if "twohop_hard" in mix:
         maker.twohop_hard_q = hard_twohop_questions(P, Path(args.data) / "tokenizer.json")
         print(json.dumps({"event": "twohop_hard", "questions": len(maker.twohop_hard_q),
