@@ -5,6 +5,9 @@ The warm `pic` request's chain per linear layer: 20 seam runs of 8 tokens, each 
 
     dense        the default: runs' [S | T] dense (`scan_steps`)
     factored     runs' transitions as T = g I - Kd^T W (RUN_FACTORS)
+    split        factored runs, and each cached T given pre-split (its tf32 part and the rest, `scan_steps(split=)`):
+                 three tf32 products straight from shared memory, no split in the step (ptxas offline: 148 bytes of
+                 spills at one stage against 224 for dense; two stages need 334 KB of shared memory: not built)
 
 (Runs 54-55 also timed, at git 4a0a8c6, a seam run and the segment after it as one step and the state held
 transposed: both slower, removed; their rows are in benchmarks/results/gpu/scan_bench_run5{4,5}.json.)
@@ -50,6 +53,9 @@ def chain(dev):
     from hypic.ops.reference.gated_delta import factors_to_dense
 
     dense = factors_to_dense(S_r, F).contiguous()
+    # each cached T split: its tf32 part (the low 13 mantissa bits cleared) and the rest, exactly T in sum
+    T_hi = (T.view(torch.int32) & -8192).view(torch.float32).contiguous()
+    T_lo = (T - T_hi).contiguous()
     order = [m for i in range(E) for m in (E + i, i)] + list(range(2 * E, E + n))
     t0s, acc = {}, 0
     for m in order:
@@ -57,7 +63,8 @@ def chain(dev):
             t0s[m] = acc
             acc += lens[m - E]
     outs = torch.randn(acc, H, V + K, device=dev, generator=g)
-    return dict(init=init, T=T, S=S, S_r=S_r, F=F, dense=dense, order=order, t0s=t0s, lens=lens, outs=outs, n=n)
+    return dict(init=init, T=T, S=S, S_r=S_r, F=F, dense=dense, order=order, t0s=t0s, lens=lens, outs=outs, n=n,
+                T_hi=T_hi, T_lo=T_lo)
 
 
 def tables(c, form, dev):
@@ -67,10 +74,12 @@ def tables(c, form, dev):
         (lambda m: [(m - E_) * H * (2 * W + 1) * K * 4, (m - E_) * H * K * V * 4])
     while j < len(order):
         m = order[j]
-        if m < E_:
+        if m < E_ and form == "split":               # T's tf32 part at column 0, the rest at column 6
+            rows.append([c["T_hi"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0, c["T_lo"][m].data_ptr()])
+        elif m < E_:
             rows.append([c["T"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0])
         else:
-            rows.append(run_row(m) + [1, m, t0s[m], lens[m - E_]])
+            rows.append(run_row(m) + [1, m, t0s[m], lens[m - E_]] + ([0] if form == "split" else []))
         j += 1
     steps = torch.tensor(rows, dtype=torch.int64, device=dev)
     cu = torch.tensor([0, len(rows)], dtype=torch.int32, device=dev)
@@ -98,7 +107,8 @@ def main():
     starts = b0[runs_in_order].double().repeat_interleave(torch.tensor(reps_l, device=dev), 0)
     want = c["outs"][..., :V].double() + torch.einsum("nhk,nhkv->nhv", c["outs"][..., V:].double(), starts)
     rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
-    forms = {"dense": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)], "factored": [(32, 8, 2), (32, 8, 1)]}
+    forms = {"dense": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)], "factored": [(32, 8, 2), (32, 8, 1)],
+             "split": [(32, 8, 1), (16, 4, 1), (32, 4, 1), (16, 8, 1), (64, 8, 1)]}
     if args.wide:              # 16 warps: T [128 x 128] at 32 registers per thread instead of 64 (run 31 saw a fault
         forms = {"dense": [(32, 16, 2), (32, 16, 1), (64, 16, 1)]}       # in the factored form with 16 warps)
     rows, t_start = [], time.time()
@@ -111,7 +121,8 @@ def main():
                 kw = dict(outputs=o, max_run=QLEN, bv=cfg[0], warps=cfg[1], stages=cfg[2])
                 if form == "dense":
                     return ts.scan_steps(c["init"], steps, cu, c["dense"], E + c["n"], **kw)[1]
-                return ts.scan_steps(c["init"], steps, cu, c["S_r"], E + c["n"], factors=c["F"], **kw)[1]
+                return ts.scan_steps(c["init"], steps, cu, c["S_r"], E + c["n"], factors=c["F"], split=form == "split",
+                                     **kw)[1]
             row = dict(form=form, config=list(cfg), steps=int(steps.shape[0]))
             try:
                 final = launch()

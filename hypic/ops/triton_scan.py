@@ -145,7 +145,8 @@ def _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K: tl.constexpr, V:
 @triton.jit
 def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk, off_at,
                 off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
-                CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr):
+                CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr,
+                SPLIT: tl.constexpr = False):
     """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
     S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
     a_addr) at that byte offset; with FACTORS its S [H, K, V] lies there and its transition's factors
@@ -173,6 +174,9 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
         gam = tl.load(fp + 2 * BF * K, mask=is_run, other=0.0)
         tp = tv.to(tl.pointer_type(tl.float32))
         t = tl.load(tp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
+        if SPLIT:       # the cached map pre-split: T (column 0) holds its tf32 part, column 6 the rest
+            tlp = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+            t_lo = tl.load(tlp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
     else:
         t, s = _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
     if CORRECT:
@@ -190,7 +194,13 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
             y = tl.dot(wf, x, input_precision=PREC)                                    # [BF, BV]
             xn = gam * x - tl.dot(tl.trans(kd), y, input_precision=PREC) + s
         else:
-            xn = tl.dot(t, x, input_precision=PREC) + s
+            if SPLIT:   # three tf32 products with T's parts as loaded: no split of T in the step
+                x_hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                x_lo = x - x_hi
+                xn = tl.dot(t, x_lo, input_precision="tf32") + tl.dot(t_lo, x_hi, input_precision="tf32")
+                xn = tl.dot(t, x_hi, xn, input_precision="tf32") + s
+            else:
+                xn = tl.dot(t, x, input_precision=PREC) + s
         return xn
     return tl.dot(t, x, input_precision=PREC) + s
 
@@ -199,7 +209,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
 def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                        STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
-                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr):
+                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr = False):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -219,12 +229,12 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
             x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
-                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN)
+                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
     else:
         j = j0
         while j < j1:
             x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
-                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN)
+                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
@@ -307,8 +317,8 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, orde
 
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
                outputs: torch.Tensor | None = None, max_run: int = 16, factors: torch.Tensor | None = None,
-               bv: int | None = None, warps: int | None = None, stages: int | None = None, tune: bool = True,
-               precision: str = "tf32x3"):
+               split: bool = False, bv: int | None = None, warps: int | None = None, stages: int | None = None,
+               tune: bool = True, precision: str = "tf32x3"):
     """The compose pass's form: chains described step by step, no map copied.
 
     init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
@@ -322,6 +332,10 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     outputs (optional, needs the 6-column table): the run summaries' outputs [N, H, V + K] (o_t(0) in the first
     V columns, u_t in the last K), corrected in place to the runs' true initial states, o_t = o_t(0) +
     S0^T u_t, runs of at most max_run tokens; `before` is then not written.
+    split (with factors; a 7-column table or wider): each cached map comes pre-split, its T address (column 0) naming
+    T rounded to tf32 and column 6 the rest (T - that, fp32), and its step is three tf32 products of those with the
+    state's two parts, so no split of T happens in the step and both parts can feed the products from shared memory
+    (an experiment: benchmarks/scan_bench.py `split`; no cache keeps split maps).
     Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
     r, h, k, v = init.shape
     init = init.float().contiguous()
@@ -334,6 +348,8 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         if not (factors.is_contiguous() and factors.dtype == torch.float32 and factors.shape[-1] == k
                 and factors.shape[-2] == 2 * bf + 1 and bf >= 16):
             raise ValueError("factors must be fp32, contiguous, [N, H, 2 w + 1, K] with w >= 16")
+    if split and (factors is None or steps.shape[1] < 7):
+        raise ValueError("split needs factors and a step table of at least 7 columns")
     correct = outputs is not None
     if correct and (steps.shape[1] < 6 or outputs.shape[1:] != (h, v + k) or outputs.stride(-1) != 1
                     or outputs.stride(1) != v + k):
@@ -353,10 +369,10 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
             init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
             STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
-            EVEN=bk == k and v % b == 0, num_warps=w)
+            EVEN=bk == k and v % b == 0, SPLIT=split, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
-    form = "steps" if factors is None else "steps+factors"
+    form = "steps" if factors is None else ("steps+factors" + ("+split" if split else ""))
     if bv is not None or warps is not None or stages is not None:
         cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
     elif tune and not correct:

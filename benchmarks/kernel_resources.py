@@ -1,0 +1,87 @@
+"""Registers, spills and shared memory of the chain scan's builds for the H200 (sm_90a), on a machine without a GPU.
+
+Triton compiles for a named target without a device, and the ptxas it ships reports each build's registers and
+spills: the H200's own numbers for the same source and specialisation (H200 run 54 reported 255 registers and 58
+spilled values for the default dense build, (32, 8, 2); this gives 255 registers and 224 bytes of spill stores, 56
+values; for the factored build the device counted 82-122 spilled values, this 59-89: indicative, not exact). So a
+change meant to relieve the scan's register pressure can be judged here before a device call. Shared memory above
+the H200's 227 KB means the build cannot run there.
+
+    python benchmarks/kernel_resources.py [--out benchmarks/results/kernel_resources.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.modules["fla"] = None
+
+SMEM_LIMIT = 232448          # bytes per block on the H200 (Triton's OutOfResources limit there)
+
+
+def scan_build(bv=32, warps=8, stages=2, factors=False, correct=True, split=False):
+    """Compile `_scan_steps_kernel` at the 35B shape (32 heads, K = V = 128) for sm_90a; (registers, spill stores
+    and loads in bytes, shared memory in bytes) from ptxas -v."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hypic.ops import triton_scan as ts
+
+    names = ["init", "steps", "a_addr", "f_addr", "before", "final", "cu", "ou", "s_ot", "s_oh"]
+    sig = dict(zip(names, ["*fp32", "*i64", "i64", "i64", "*fp32", "*fp32", "*i32", "*bf16", "i32", "i32"]))
+    const = dict(H=32, K=128, V=128, BK=128, BV=bv, PREC="tf32x3", STAGES=stages, W=7 if split else 6,
+                 CORRECT=correct, BT=16, FACTORS=factors, BF=16, EVEN=True, SPLIT=split)
+    sig.update({k: "constexpr" for k in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}     # as the device specialises them
+    src = ASTSource(fn=ts._scan_steps_kernel, signature=sig, constexprs=const, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    r = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    regs = stores = loads = None
+    for line in r.stderr.splitlines():
+        if "Used" in line and "registers" in line:
+            regs = int(line.split("Used")[1].split("registers")[0])
+        if "spill stores" in line:
+            parts = line.replace(",", "").split()
+            stores = int(parts[parts.index("spill") - 2]) if "stores" in parts else None
+            loads = int(parts[parts.index("loads") - 3])
+    return dict(registers=regs, spill_store_bytes=stores, spill_load_bytes=loads, shared=k.metadata.shared)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernel_resources.json"))
+    args = ap.parse_args()
+    builds = [("dense", dict()), ("dense", dict(stages=1)), ("factored", dict(factors=True)),
+              ("factored", dict(factors=True, stages=1)), ("split", dict(factors=True, split=True, stages=1)),
+              ("split", dict(factors=True, split=True)), ("split", dict(factors=True, split=True, stages=1, warps=4)),
+              ("split", dict(factors=True, split=True, stages=1, bv=16, warps=4))]
+    rows = []
+    print("| form | (value block, warps, stages) | registers | spill stores / loads (bytes) | shared memory | runs on an H200 |")
+    print("|---|---|---:|---|---:|---|")
+    for form, kw in builds:
+        cfg = (kw.get("bv", 32), kw.get("warps", 8), kw.get("stages", 2))
+        r = dict(form=form, config=list(cfg), **scan_build(**kw))
+        rows.append(r)
+        print(f"| {form} | {cfg} | {r['registers']} | {r['spill_store_bytes']} / {r['spill_load_bytes']} | "
+              f"{r['shared'] / 1024:.0f} KB | {'yes' if r['shared'] <= SMEM_LIMIT else 'no (shared memory)'} |",
+              flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(target="cuda sm_90a (ptxas of the installed Triton)", rows=rows),
+                                         indent=1))
+
+
+if __name__ == "__main__":
+    main()
