@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -57,6 +56,8 @@ def main():
     ap.add_argument("--seg-len", type=int, default=1600)
     ap.add_argument("--keys", type=int, default=32768, help="the cached keys' bucket")
     args = ap.parse_args()
+    from launches import first_launch, launch_times
+
     from hypic.ops import triton_attention as ta
     from hypic.ops.reference import position_attention as ref
 
@@ -87,33 +88,14 @@ def main():
         def launch(bm=bm, bn=bn, w=w, st=st, sp=sp):
             return ta.position_attention(q, k, v, qpos, kpos, scale=scale, sorted_keys=True, block_m=bm, block_n=bn,
                                          splits=sp, warps=w, stages=st)
-        try:
-            got = launch()
-            if cuda:
-                torch.cuda.synchronize()
-        except Exception as e:                  # a configuration that cannot be built (shared memory, registers)
-            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-            rows.append(row)
-            print(row, flush=True)
-            if "illegal" in str(e):
+        got = first_launch(launch, cuda, row, rows)
+        if got is None:
+            if row["fault"]:
                 break
             continue
         row["rel"] = rel(got, want)
         row["ok"] = row["rel"] < 2e-2
-        times = []
-        for _ in range(args.reps):
-            if not cuda:
-                t = time.perf_counter()
-                launch()
-                times.append((time.perf_counter() - t) * 1e6)
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            launch()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        row.update(us=statistics.median(times), us_min=min(times))
+        row.update(launch_times(launch, args.reps, cuda))
         rows.append(row)
         print(f"{(bm, bn, w, st, sp)}: {row['us']:8.1f} us (min {row['us_min']:.1f}); rel {row['rel']:.1e}"
               f"{'' if row['ok'] else '  WRONG'}", flush=True)

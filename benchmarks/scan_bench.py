@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -95,6 +94,8 @@ def main():
     ap.add_argument("--wide", action="store_true", help="the 16-warp configurations instead")
     args = ap.parse_args()
     globals()["H"] = args.heads
+    from launches import first_launch, launch_times
+
     from hypic.compose import scan as sc
     from hypic.ops import triton_scan as ts
 
@@ -113,6 +114,8 @@ def main():
         forms = {"dense": [(32, 16, 2), (32, 16, 1), (64, 16, 1)]}       # in the factored form with 16 warps)
     rows, t_start = [], time.time()
     for form, cfgs in forms.items():
+        if any(r.get("fault") for r in rows):          # the CUDA context is lost: nothing more can run
+            break
         steps, cu = tables(c, form, dev)
         for cfg in cfgs:
             got = c["outs"].clone()
@@ -124,34 +127,15 @@ def main():
                 return ts.scan_steps(c["init"], steps, cu, c["S_r"], E + c["n"], factors=c["F"], split=form == "split",
                                      **kw)[1]
             row = dict(form=form, config=list(cfg), steps=int(steps.shape[0]))
-            try:
-                final = launch()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-            except Exception as e:            # a configuration that cannot be built here (resources)
-                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                rows.append(row)
-                print(row, flush=True)
-                if "illegal" in str(e):
+            final = first_launch(launch, dev.type == "cuda", row, rows)
+            if final is None:
+                if row["fault"]:
                     break
                 continue
             row["final_rel"], row["corrected_rel"] = rel(final, f0[0]), rel(got[..., :V], want)
             ok = row["final_rel"] < 1e-5 and row["corrected_rel"] < 1e-5
             scratch = c["outs"].clone()
-            times = []
-            for _ in range(args.reps):
-                if dev.type != "cuda":                    # the dry run: wall clock of the interpreter
-                    t = time.perf_counter()
-                    launch(scratch)
-                    times.append((time.perf_counter() - t) * 1e6)
-                    continue
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                launch(scratch)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
-            row.update(us=statistics.median(times), us_min=min(times), ok=ok)
+            row.update(launch_times(lambda: launch(scratch), args.reps, dev.type == "cuda"), ok=ok)
             comp = ts.COMPILED.get("steps")
             if comp is not None:
                 row.update(regs=getattr(comp, "n_regs", None), spills=getattr(comp, "n_spills", None))
@@ -159,7 +143,7 @@ def main():
             print(f"{form:11s} {str(cfg):13s} {row['us']:8.1f} us/launch (min {row['us_min']:.1f}); steps "
                   f"{row['steps']}; rel {row['final_rel']:.1e} / {row['corrected_rel']:.1e}; regs {row.get('regs')} "
                   f"spills {row.get('spills')}{'' if ok else '  WRONG'}", flush=True)
-    print(f"\n| form | config (bv, warps, stages) | steps | us per launch (median) | registers | spills | fp64 check |")
+    print("\n| form | config (bv, warps, stages) | steps | us per launch (median) | registers | spills | fp64 check |")
     print("|---|---|---:|---:|---:|---:|---|")
     for r in rows:
         if "us" in r:
