@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,14 +50,10 @@ def scan_build(bv=32, warps=8, stages=2, factors=False, correct=True, split=Fals
         f.write(k.asm["ptx"])
     r = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
     os.unlink(f.name)
-    regs = stores = loads = None
-    for line in r.stderr.splitlines():
-        if "Used" in line and "registers" in line:
-            regs = int(line.split("Used")[1].split("registers")[0])
-        if "spill stores" in line:
-            parts = line.replace(",", "").split()
-            stores = int(parts[parts.index("spill") - 2]) if "stores" in parts else None
-            loads = int(parts[parts.index("loads") - 3])
+    used = re.search(r"Used (\d+) registers", r.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    regs = int(used.group(1)) if used else None
+    stores, loads = (int(spills.group(1)), int(spills.group(2))) if spills else (None, None)
     return dict(registers=regs, spill_store_bytes=stores, spill_load_bytes=loads, shared=k.metadata.shared)
 
 

@@ -52,9 +52,9 @@ def chain(dev):
     from hypic.ops.reference.gated_delta import factors_to_dense
 
     dense = factors_to_dense(S_r, F).contiguous()
-    # each cached T split: its tf32 part (the low 13 mantissa bits cleared) and the rest, exactly T in sum
-    T_hi = (T.view(torch.int32) & -8192).view(torch.float32).contiguous()
-    T_lo = (T - T_hi).contiguous()
+    from hypic.ops.triton_scan import split_tf32
+
+    T_hi, T_lo = split_tf32(T)                          # each cached T as the `split` form reads it
     order = [m for i in range(E) for m in (E + i, i)] + list(range(2 * E, E + n))
     t0s, acc = {}, 0
     for m in order:
@@ -67,19 +67,20 @@ def chain(dev):
 
 
 def tables(c, form, dev):
-    E_, order, t0s, lens = E, c["order"], c["t0s"], c["lens"]
-    rows, j = [], 0
-    run_row = (lambda m: [(m - E_) * H * K * (V + K) * 4] * 2) if form == "dense" else \
-        (lambda m: [(m - E_) * H * (2 * W + 1) * K * 4, (m - E_) * H * K * V * 4])
-    while j < len(order):
-        m = order[j]
-        if m < E_ and form == "split":               # T's tf32 part at column 0, the rest at column 6
+    """The chain's step table for a form (its columns as `scan_steps` documents them) and cu."""
+    t0s, lens = c["t0s"], c["lens"]
+    if form == "dense":                                  # a run's [S | T] at its offset
+        run_row = lambda m: [(m - E) * H * K * (V + K) * 4] * 2  # noqa: E731
+    else:                                                # a run's factors, then its S
+        run_row = lambda m: [(m - E) * H * (2 * W + 1) * K * 4, (m - E) * H * K * V * 4]  # noqa: E731
+    rows = []
+    for m in c["order"]:
+        if m < E and form == "split":                    # T's tf32 part at column 0, the rest at column 6
             rows.append([c["T_hi"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0, c["T_lo"][m].data_ptr()])
-        elif m < E_:
+        elif m < E:
             rows.append([c["T"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0])
         else:
-            rows.append(run_row(m) + [1, m, t0s[m], lens[m - E_]] + ([0] if form == "split" else []))
-        j += 1
+            rows.append(run_row(m) + [1, m, t0s[m], lens[m - E]] + ([0] if form == "split" else []))
     steps = torch.tensor(rows, dtype=torch.int64, device=dev)
     cu = torch.tensor([0, len(rows)], dtype=torch.int32, device=dev)
     return steps, cu

@@ -651,8 +651,8 @@ b0, f0 = sc.scan_dense_reference(init_f.double(), torch.stack(T_f).double(), tor
 b1, f1 = triton_scan.scan_steps(init_f, torch.tensor(rows_f, dtype=torch.int64), cu_f, S_r, 2 + nr, factors=F_r)
 assert rel(f1, f0) < 1e-6 and rel(b1[2:], b0[2:]) < 1e-6
 # the cached maps pre-split (T's tf32 part at column 0, the rest at column 6): scan_steps(split=True)
-T_hi = [(t.view(torch.int32) & -8192).view(torch.float32).contiguous() for t in T_f]
-T_lo = [(t - th).contiguous() for t, th in zip(T_f, T_hi)]
+T_hi, T_lo = zip(*(triton_scan.split_tf32(t) for t in T_f))
+assert all(torch.equal(a + b, t) for a, b, t in zip(T_hi, T_lo, T_f))
 rows_s = [[T_hi[m].data_ptr(), S_f[m].data_ptr(), 0, m, 0, 0, T_lo[m].data_ptr()] if m < 2 else r + [0, 0, 0]
           for r, m in zip(rows_f, order_f)]
 b1, f1 = triton_scan.scan_steps(init_f, torch.tensor(rows_s, dtype=torch.int64), cu_f, S_r, 2 + nr, factors=F_r,

@@ -315,6 +315,13 @@ def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, orde
     return before, final
 
 
+def split_tf32(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 t as (its tf32 part: the low 13 mantissa bits cleared, the rest t - that), exactly t in sum: the two
+    parts of a cached map that `scan_steps(split=True)` reads."""
+    hi = (t.float().contiguous().view(torch.int32) & -8192).view(torch.float32)
+    return hi, (t.float() - hi).contiguous()
+
+
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
                outputs: torch.Tensor | None = None, max_run: int = 16, factors: torch.Tensor | None = None,
                split: bool = False, bv: int | None = None, warps: int | None = None, stages: int | None = None,
@@ -332,8 +339,8 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     outputs (optional, needs the 6-column table): the run summaries' outputs [N, H, V + K] (o_t(0) in the first
     V columns, u_t in the last K), corrected in place to the runs' true initial states, o_t = o_t(0) +
     S0^T u_t, runs of at most max_run tokens; `before` is then not written.
-    split (with factors; a 7-column table or wider): each cached map comes pre-split, its T address (column 0) naming
-    T rounded to tf32 and column 6 the rest (T - that, fp32), and its step is three tf32 products of those with the
+    split (with factors; a 7-column table or wider): each cached map comes pre-split (`split_tf32`), its T address
+    (column 0) naming T's tf32 part and column 6 the rest, and its step is three tf32 products of those with the
     state's two parts, so no split of T happens in the step and both parts can feed the products from shared memory
     (an experiment: benchmarks/scan_bench.py `split`; no cache keeps split maps).
     Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
