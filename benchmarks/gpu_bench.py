@@ -649,11 +649,12 @@ def main():
         traceback.print_exc()
         pairs = []
     rag["prefix_long_chains"] = pairs
-    if pairs:
-        d = statistics.median(p["long_chains_phased"] - p["rounds"] for p in pairs)
-        print(f"prefix TTFT, interleaved: rounds {statistics.median(p['rounds'] for p in pairs) * 1e3:.0f} ms, "
-              f"long chains phased {statistics.median(p['long_chains_phased'] for p in pairs) * 1e3:.0f} ms; "
-              f"paired median {d * 1e3:+.0f} ms", flush=True)
+    if pairs:                  # medians of each way and of the paired difference
+        rag["prefix_long_chains_medians_s"] = med = (
+            statistics.median(p["rounds"] for p in pairs), statistics.median(p["long_chains_phased"] for p in pairs),
+            statistics.median(p["long_chains_phased"] - p["rounds"] for p in pairs))
+        print(f"prefix TTFT, interleaved: rounds {med[0] * 1e3:.0f} ms, long chains phased {med[1] * 1e3:.0f} ms; "
+              f"paired median {med[2] * 1e3:+.0f} ms", flush=True)
     if args.profile:   # a prefix request that misses after its first segment (profile() runs it twice: the first
         # run would make the second a full prefix hit, so the profiled one takes an order of its own)
         orders = iter([[0] + random.Random(200 + k).sample(order_a[1:], args.segments - 1) for k in range(2)])
@@ -736,9 +737,7 @@ def main():
     print(f"| RAG warm TTFT pic vs prefix | {rag['pic_warm_s'] * 1e3:.1f} ms | prefix {rag['prefix_s'] * 1e3:.0f} ms | "
           f"{rag['pic_vs_prefix']:.1f}x | |")
     if rag.get("prefix_long_chains"):
-        pl = rag["prefix_long_chains"]
-        a, b = (statistics.median(p[k] for p in pl) for k in ("rounds", "long_chains_phased"))
-        pd = statistics.median(p["long_chains_phased"] - p["rounds"] for p in pl)
+        a, b, pd = rag["prefix_long_chains_medians_s"]
         print(f"| RAG prefix TTFT, interleaved: rounds vs long chains phased | {a * 1e3:.0f} ms | {b * 1e3:.0f} ms | "
               f"{b / a:.3f}x | paired by round: {pd * 1e3:+.0f} ms |")
     print(f"| pic vs roofline floor | {rag['pic_warm_s'] * 1e3:.1f} ms | floor {floor * 1e3:.1f} ms | "
