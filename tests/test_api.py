@@ -27,6 +27,9 @@ def _good():
     (Prompt(segments=[[1, 999999]], query=[1]), "outside the vocabulary"),
     (Prompt(query=[-1]), "outside the vocabulary"),
     (Prompt(query=[1.5]), "must be integers"),
+    (Prompt(query=[5, True]), "must be integers, got bool"),
+    (Prompt(query=[5, None]), "must be integers, got NoneType"),
+    (Prompt(segments=[[3, 1 << 40]], query=[1]), "outside the vocabulary"),
     (Prompt(segments="one string", query=[1]), "not a single string"),
     (Prompt(query=[1] * 70000), "exceeds the model's maximum"),
 ])

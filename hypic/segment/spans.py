@@ -65,25 +65,31 @@ def _sha256_ids(n: int, le_u32: bytes) -> str:
     return h.hexdigest()
 
 
-def _digest_of(a: np.ndarray) -> str:
-    """tokens_digest of ids already in an int64 array with every id in [0, 2^32): the same bytes."""
-    return _sha256_ids(len(a), a.astype("<u4").tobytes())
+_U32 = next((c for c in "IL" if array(c).itemsize == 4), None)    # the array typecode of 4-byte unsigned ints
 
 
-def _ids_array(ids: tuple, vocab_size: int) -> np.ndarray | None:
-    """The ids as an int64 array if every one is an int (not a bool) in [0, vocab_size), else None; checked
-    in C: array('q') takes integers only (a float, a string or None raise), numpy finds the range. bool is an
-    int subclass that array('q') takes as 0 / 1, so where 0 or 1 occur the exact type test decides (a prompt
-    of 32k ids: ~1 ms instead of ~3)."""
+def _ids_u32(ids: tuple, vocab_size: int) -> np.ndarray | None:
+    """The ids as a uint32 array if every one is an int (not a bool) in [0, vocab_size) (vocab_size <= 2^32),
+    else None; checked in C: array('I') takes non-negative integers below 2^32 only (a float, a string,
+    None, a negative or a larger id raise), numpy finds the upper bound. bool is an int subclass that array
+    takes as 0 / 1, so where 0 or 1 occur the exact type test decides. Its bytes are the digest's (4
+    little-endian bytes per id on a little-endian host): a 32k-id prompt in ~0.6 ms instead of ~1.8."""
+    if _U32 is None:
+        return None
     try:
-        a = np.frombuffer(array("q", ids), dtype=np.int64)
+        a = np.frombuffer(array(_U32, ids), dtype=np.uint32)
     except (TypeError, OverflowError):
         return None
-    if a.min() < 0 or a.max() >= vocab_size:
+    if a.max() >= vocab_size:
         return None
     if (a <= 1).any() and not set(map(type, ids)) <= {int}:
         return None
     return a
+
+
+def _digest_of(a: np.ndarray) -> str:
+    """tokens_digest of ids already in a uint32 array: the same bytes."""
+    return _sha256_ids(len(a), a.astype("<u4", copy=False).tobytes())
 
 
 def tokenize_prompt(prompt: Prompt, tokenizer, *, vocab_size: int, max_len: int, max_segments: int,
@@ -105,14 +111,14 @@ def tokenize_prompt(prompt: Prompt, tokenizer, *, vocab_size: int, max_len: int,
             ids = tuple(x)
             if not ids:
                 return ids
-            a = _ids_array(ids, vocab_size)
+            a = _ids_u32(ids, vocab_size) if vocab_size <= 1 << 32 else None
             if a is None:                            # the loop only names what is wrong
                 for t in ids:
                     if isinstance(t, bool) or not isinstance(t, int):
                         raise InvalidRequestError(f"{what} token ids must be integers, got {type(t).__name__}")
                     if not 0 <= t < vocab_size:
                         raise InvalidRequestError(f"{what} token id {t} is outside the vocabulary [0, {vocab_size})")
-            elif vocab_size <= 1 << 32:
+            else:
                 digests[id(ids)] = _digest_of(a)     # (the planner's segment key: no second conversion)
             return ids
         raise InvalidRequestError(f"{what} must be a string or a list of token ids, got {type(x).__name__}")
