@@ -77,6 +77,27 @@ def make_config(arch: str, vocab: int, size: str = "base"):
     raise ValueError(arch)
 
 
+def long_memory_gates(model, seed: int, dt_min: float = 1e-3, dt_max: float = 1e-1) -> list:
+    """Gated DeltaNet decay gates initialised for long memory, as transformers initialises KDA's forget gate
+    ("following FLA initialization": dt = exp(U(log dt_min, log dt_max)) per head, dt_bias = softplus^-1(dt)).
+    transformers' Qwen3.5 init sets dt_bias = 1 (softplus 1.31) beside A = U(0.01, 16), so a fresh GDN head decays
+    by exp(-1.31 A) per token at zero input: below 1e-4 for A > 7. qwen35-gdn-15m was trained from that init and
+    kept it (A 0.5-15 after training, per-token decay 0.000 in four of six layers: quality/state_carry.py), so no
+    state crosses a document. With this init a head's per-token decay exp(-A dt) starts between ~0.2 and ~1.
+    Returns the new per-head dt of each layer (for the log)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for name, mod in model.named_modules():
+        if hasattr(mod, "dt_bias") and hasattr(mod, "A_log") and mod.dt_bias.dim() == 1 \
+                and mod.dt_bias.shape == mod.A_log.shape:                  # a GDN layer: one gate per value head
+            u = torch.rand(mod.dt_bias.shape, generator=gen, dtype=torch.float64)
+            dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min(1e-4)
+            with torch.no_grad():
+                mod.dt_bias.copy_((dt + torch.log(-torch.expm1(-dt))).to(mod.dt_bias.dtype))
+            out.append((name, [round(float(x), 5) for x in dt]))
+    return out
+
+
 # ------------------------------------------------------------------------------------------ data
 def load_xz(path):
     return dict(np.load(io.BytesIO(lzma.decompress(Path(path).read_bytes()))))
@@ -449,6 +470,9 @@ def main():
     ap.add_argument("--init", default="",
                     help="checkpoint directory to start from (continued training; ignored when --state resumes)")
     ap.add_argument("--warm", type=float, default=0.04, help="warm-up share of the LR schedule")
+    ap.add_argument("--gdn-gate-init", choices=["transformers", "long"], default="transformers",
+                    help="a fresh GDN model's decay gates: transformers' init (dt_bias 1: most heads keep no state "
+                         "from one token to the next), or long memory (dt in [1e-3, 1e-1], see long_memory_gates)")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -481,6 +505,10 @@ def main():
         sys.exit("fla does not import: refusing to train on the slow torch path")
     cfg = make_config(args.arch, meta["vocab"], args.size)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
+    if args.gdn_gate_init == "long":
+        if args.arch != "qwen35" or args.init:       # (a resumed --state overwrites it with the saved gates)
+            sys.exit("--gdn-gate-init long is for a fresh qwen35 model (not with --init)")
+        log({"event": "gdn_gate_init", "dt": long_memory_gates(model, args.seed)})
     if device.type == "cuda":
         patch_fla_guard(cfg, log)
         if not (Path(args.state).exists() if args.state else False):

@@ -64,3 +64,29 @@ def test_eval_results_record_the_weights_and_refuse_other_weights(tmp_path):
     a = types.SimpleNamespace(model=str(ck), data=str(data), set="kc8", n=1, out=str(out), threads=1)
     with pytest.raises(SystemExit, match="other weights"):
         run(a)
+
+
+def test_long_memory_gates_give_gdn_heads_state_over_a_document():
+    """train.py --gdn-gate-init long: every GDN head's dt in [1e-3, 1e-1] (dt_bias its inverse softplus), so at zero
+    input the per-token decay exp(-A dt), through the engine's own gate op, is at least exp(-16 * 0.1) = 0.2; the
+    attention layers and every other weight are untouched."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hypic.ops import reference as ref
+    from train import long_memory_gates, make_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config("qwen35", 300, "tiny"), dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dts = long_memory_gates(model, seed=1)
+    assert [name.split(".")[2] for name, _ in dts] == ["0", "2"]          # the tiny model's linear layers
+    after = model.state_dict()
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    assert changed == {f"model.layers.{i}.linear_attn.dt_bias" for i in (0, 2)}
+    for i in (0, 2):
+        mod = model.model.layers[i].linear_attn
+        dt = torch.nn.functional.softplus(mod.dt_bias.double())
+        assert ((dt > 1e-3 * 0.999) & (dt < 1e-1 * 1.001)).all()
+        g = ref.gdn_gate(torch.zeros(1, dt.numel()), mod.A_log.detach(), mod.dt_bias.detach())
+        assert (g.exp() >= 0.2 - 1e-6).all() and (g.exp() < 1).all()
