@@ -192,6 +192,9 @@ def main():
                     help="share of KC passages whose answer entity is replaced (as quality/train.py)")
     ap.add_argument("--kc-recombine", type=float, default=0.0,
                     help="share of those replacements that are a name no one has (as quality/train.py)")
+    ap.add_argument("--needle-first", type=float, default=0.0,
+                    help="share of needles put first in their document (the case isolated prefill hurts most: "
+                         "quality/gap_breakdown.py); 0: where the data puts them (~28%% first on needle8)")
     ap.add_argument("--max-steps", type=int, default=0,
                     help="stop after N steps, the LR schedule by step (reproducible); 0: by --minutes and time")
     args = ap.parse_args()
@@ -211,6 +214,7 @@ def main():
     mix = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}
     starts = word_starts(Path(args.data) / "tokenizer.json") if args.kc_recombine > 0 else None
     maker = RowMaker(P, args.budget, args.seed, mix, args.kc_subst, args.kc_recombine, starts)
+    maker.needle_first = args.needle_first
     if "twohop_hard" in mix:
         maker.twohop_hard_q = hard_twohop_questions(P, Path(args.data) / "tokenizer.json")
         print(json.dumps({"event": "twohop_hard", "questions": len(maker.twohop_hard_q),

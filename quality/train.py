@@ -157,6 +157,7 @@ class RowMaker:
                  starts: np.ndarray | None = None):
         self.P, self.seq, self.kc_subst = P, seq, kc_subst
         self.kc_recombine, self.starts = kc_recombine, starts
+        self.needle_first = 0.0    # share of needles put first in their document (pic_train.py --needle-first)
         if kc_recombine > 0 and starts is None:
             raise ValueError("kc_recombine needs the tokenizer's word starts")
         self.rng = np.random.default_rng(seed)
@@ -225,7 +226,10 @@ class RowMaker:
             doc = P.get("h_doc", i)
             if j < m:
                 cuts = P.get("h_cut", i)
-                c = cuts[r.integers(len(cuts))]
+                if self.needle_first and r.random() < self.needle_first:   # (0: the same draws as before)
+                    c = cuts[0]                                   # right after the "Document:" header
+                else:
+                    c = cuts[r.integers(len(cuts))]
                 doc = np.concatenate([doc[:c], P.get("n_s", nid[j]), doc[c:]])
                 if j < nq:
                     qas.append((P.get("n_q", nid[j]), P.get("n_a", nid[j]), j))

@@ -90,3 +90,35 @@ def test_long_memory_gates_give_gdn_heads_state_over_a_document():
         assert ((dt > 1e-3 * 0.999) & (dt < 1e-1 * 1.001)).all()
         g = ref.gdn_gate(torch.zeros(1, dt.numel()), mod.A_log.detach(), mod.dt_bias.detach())
         assert (g.exp() >= 0.2 - 1e-6).all() and (g.exp() < 1).all()
+
+
+def test_needle_first_puts_needles_after_the_header():
+    """RowMaker.needle_first (pic_train.py --needle-first): 1.0 puts every needle sentence right after its
+    document's header (the haystack's first cut); 0.0 leaves the place to the uniform draw over every cut."""
+    import numpy as np
+    from train import RowMaker
+
+    class FakePools:                                   # haystack docs [header | s1 | s2 | s3], needles 900+
+        def __init__(self):
+            self.docs = [np.array([1, 2, 10 + i, 11, 20 + i, 21, 30 + i]) for i in range(6)]
+            self.cuts = [np.array([2, 4, 6])] * 6
+            self.needles = [np.array([900 + i, 901]) for i in range(5)]
+
+        def n(self, name):
+            return {"h_doc": 6, "n_s": 5}[name]
+
+        def get(self, name, i):
+            return {"h_doc": self.docs, "h_cut": self.cuts, "n_s": self.needles,
+                    "n_q": [np.array([500 + i]) for i in range(5)], "n_a": [np.array([600 + i]) for i in range(5)]}[name][i]
+
+    def places(first):
+        m = RowMaker(FakePools(), 512, 0, {"needle": 1.0})
+        m.needle_first = first
+        out = []
+        for _ in range(40):
+            docs, qas = m.needle(4, 2)
+            out += [int(np.nonzero(docs[j] >= 900)[0][0]) for _, _, j in qas]
+        return set(out)
+
+    assert places(1.0) == {2}                          # right after the 2-token header
+    assert places(0.0) == {2, 4, 6}

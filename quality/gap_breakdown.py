@@ -1,0 +1,62 @@
+"""Where a `pic` - `full` gap on needle questions comes from: by the needle's place in its document and the
+gold document's place in the prompt (issue 6; paired per question, as eval_pic's report).
+
+    python quality/gap_breakdown.py quality/results/kimi-kda-16m-pic_needle8.jsonl [--set needle8] [--seam 8]
+
+Groups: the needle sentence first in its document (it starts within the first 30 characters, right after
+"Document: ") or later; the gold document among the first half of the prompt's documents or the second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NEEDLE = re.compile(r"magic number for (.+?) is (\S+?)\.")
+
+
+def groups(row: dict, n_docs: int) -> list[str]:
+    doc = row["segments"][row["gold"]]
+    m = NEEDLE.search(doc)
+    place = "needle first in its document" if m is not None and m.start() < 30 else "needle later in its document"
+    half = "gold document in the first half" if row["gold"] < n_docs // 2 else "gold document in the second half"
+    return [place, half, "all"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--set", default="needle8")
+    ap.add_argument("--seam", type=int, default=8)
+    ap.add_argument("--data", default=str(ROOT / ".data" / "corpus"))
+    args = ap.parse_args()
+    ev = [json.loads(x) for x in open(Path(args.data) / f"eval_{args.set}.jsonl")]
+    by = collections.defaultdict(dict)
+    for path in args.results:
+        for line in open(path):
+            r = json.loads(line)
+            if r["set"] != args.set or (r["mode"] != "full" and r["seam"] != args.seam):
+                continue
+            by[r["i"]][r["mode"]] = r["em"]
+    modes = [m for m in ("full", "pic", "naive") if any(m in d for d in by.values())]
+    stats = collections.defaultdict(collections.Counter)
+    for i, d in by.items():
+        if "full" not in d or "pic" not in d:
+            continue
+        for g in groups(ev[i], len(ev[i]["segments"])):
+            stats[g]["n"] += 1
+            for m in modes:
+                stats[g][m] += d.get(m, 0.0)
+    print(f"{'group':<36}{'n':>5}" + "".join(f"{m:>8}" for m in modes) + f"{'pic - full':>12}")
+    for g, c in sorted(stats.items(), key=lambda kv: kv[0]):
+        n = c["n"]
+        print(f"{g:<36}{n:>5}" + "".join(f"{100 * c[m] / n:>8.1f}" for m in modes)
+              + f"{100 * (c['pic'] - c['full']) / n:>+12.1f}")
+
+
+if __name__ == "__main__":
+    main()
