@@ -173,13 +173,20 @@ def bootstrap(values, rng, n=1000):
 
 
 def report(paths, min_n: int = 1) -> None:
+    rows = [json.loads(line) for p in paths for line in open(p)]
+    # a model is its directory's name, and where rows of one name come from different weights (the sha256 prefix
+    # every row records since the fourteenth session; older rows have none) the weights too: never one cell of two
+    digests = collections.defaultdict(set)
+    for r in rows:
+        digests[Path(r["model"]).name].add(r.get("weights"))
+
+    def label(r):
+        name = Path(r["model"]).name
+        return name if len(digests[name]) == 1 else f"{name}@{(r.get('weights') or 'unrecorded')[:8]}"
+
     cells = collections.defaultdict(dict)        # (model, set) -> (mode, seam) -> {i: rec}
-    for p in paths:
-        for line in open(p):
-            r = json.loads(line)
-            cells[(Path(r["model"]).name, r["set"])][(r["mode"], r["seam"])] = \
-                cells[(Path(r["model"]).name, r["set"])].get((r["mode"], r["seam"]), {})
-            cells[(Path(r["model"]).name, r["set"])][(r["mode"], r["seam"])][r["i"]] = r
+    for r in rows:
+        cells[(label(r), r["set"])].setdefault((r["mode"], r["seam"]), {})[r["i"]] = r
     rng = random.Random(0)
     forced = {k: v for k, v in cells.items() if any(r.get("forced") for m in v.values() for r in m.values())}
     if forced:

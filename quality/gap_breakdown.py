@@ -36,12 +36,17 @@ def main():
     args = ap.parse_args()
     ev = [json.loads(x) for x in open(Path(args.data) / f"eval_{args.set}.jsonl")]
     by = collections.defaultdict(dict)
+    sources = set()
     for path in args.results:
         for line in open(path):
             r = json.loads(line)
+            sources.add((r["model"], r.get("weights")))
             if r["set"] != args.set or (r["mode"] != "full" and r["seam"] != args.seam):
                 continue
             by[r["i"]][r["mode"]] = r["em"]
+    if len(sources) > 1:
+        raise SystemExit(f"these files hold rows of {len(sources)} models or weights ({sorted(map(str, sources))}): "
+                         "pass one model's results")
     modes = [m for m in ("full", "pic", "naive") if any(m in d for d in by.values())]
     stats = collections.defaultdict(collections.Counter)
     for i, d in by.items():

@@ -122,3 +122,27 @@ def test_needle_first_puts_needles_after_the_header():
 
     assert places(1.0) == {2}                          # right after the 2-token header
     assert places(0.0) == {2, 4, 6}
+
+
+def test_report_keeps_rows_of_other_weights_apart(tmp_path, capsys):
+    """eval_pic --report: rows of one checkpoint name but different recorded weights are two models in the table
+    (named with their digests), never pooled into one cell; one name with one digest keeps its plain name."""
+    import json
+
+    from eval_pic import report
+
+    def row(model, weights, mode, i, em):
+        r = {"model": model, "set": "kc8", "mode": mode, "seam": 8, "i": i, "em": em, "f1": em, "nll": 1.0}
+        if weights:
+            r["weights"] = weights
+        return json.dumps(r)
+
+    a = tmp_path / "a.jsonl"
+    b = tmp_path / "b.jsonl"
+    a.write_text("\n".join(row("ck/m", "aaaaaaaa11", mode, i, 1.0) for mode in ("full", "pic") for i in range(4)))
+    b.write_text("\n".join(row("ck/m", "bbbbbbbb22", mode, i, 0.0) for mode in ("full", "pic") for i in range(4)))
+    report([a, b])
+    out = capsys.readouterr().out
+    assert "| m@aaaaaaaa | kc8 | full | - | 4 | 100.0" in out and "| m@bbbbbbbb | kc8 | full | - | 4 | 0.0" in out
+    report([a])
+    assert "| m | kc8 | full | - | 4 | 100.0" in capsys.readouterr().out
