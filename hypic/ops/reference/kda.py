@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gated_delta import _pad_varlen, _unpad, l2norm
+from .gated_delta import _pad_varlen, _unpad, chunk_state_pass, l2norm
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
@@ -81,12 +81,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     q_decay = q * G.exp()
     k_tail = k * (G[..., -1:, :] - G).exp()
     chunk_decay = G[..., -1, :].exp()                            # [B, H, n, K]
-    s = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float().clone()
-    o = torch.empty_like(v)
-    for i in range(q.shape[2]):
-        u = u0[:, :, i] - w[:, :, i] @ s
-        o[:, :, i] = q_decay[:, :, i] @ s + qk[:, :, i] @ u
-        s = s * chunk_decay[:, :, i, :, None] + k_tail[:, :, i].transpose(-1, -2) @ u
+    s0 = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    starts, s = chunk_state_pass(u0, w, k_tail, chunk_decay, s0)
+    o = q_decay @ starts + qk @ (u0 - w @ starts)
     o = o.reshape(b, h, -1, dv)[:, :, :t].transpose(1, 2)
     if cu_seqlens is not None:
         o = _unpad(o, lens)
