@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hypic.ops.reference import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_transition, experts_forward,
+from hypic.ops.reference import (causal_conv1d, chunk_gated_delta_rule, experts_forward,
                                  position_attention, recurrent_gated_delta_rule, route)
 
 

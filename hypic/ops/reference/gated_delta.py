@@ -268,7 +268,6 @@ def chunk_gated_delta_rule(
     # -> [B, HV, n_chunks, C, ...]
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c, x.shape[-1]) for x in (q, k, v))
     g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c) for x in (g, beta))
-    n = q.shape[2]
     G, decay, system = _ut_system(k, g, beta)                   # [B, HV, n, C], exp(G_t - G_s) for s <= t
     rhs_v = beta[..., None] * v
     rhs_s = (beta * G.exp())[..., None] * k
