@@ -19,11 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDLE = re.compile(r"magic number for (.+?) is (\S+?)\.")
 
 
-def groups(row: dict, n_docs: int) -> list[str]:
+def groups(row: dict, gold_position: int) -> list[str]:
+    """row: the eval set's question (its documents in stored order, `gold` indexing them); gold_position: where the
+    gold document stood in the prompt that was evaluated (eval_pic shuffles the documents per question)."""
     doc = row["segments"][row["gold"]]
     m = NEEDLE.search(doc)
     place = "needle first in its document" if m is not None and m.start() < 30 else "needle later in its document"
-    half = "gold document in the first half" if row["gold"] < n_docs // 2 else "gold document in the second half"
+    half = ("gold document in the first half" if gold_position < len(row["segments"]) // 2
+            else "gold document in the second half")
     return [place, half, "all"]
 
 
@@ -36,6 +39,7 @@ def main():
     args = ap.parse_args()
     ev = [json.loads(x) for x in open(Path(args.data) / f"eval_{args.set}.jsonl")]
     by = collections.defaultdict(dict)
+    gold_at = {}                                      # question -> the gold document's place in its prompt
     sources = set()
     for path in args.results:
         for line in open(path):
@@ -44,6 +48,7 @@ def main():
             if r["set"] != args.set or (r["mode"] != "full" and r["seam"] != args.seam):
                 continue
             by[r["i"]][r["mode"]] = r["em"]
+            gold_at[r["i"]] = r["gold_position"]
     if len(sources) > 1:
         raise SystemExit(f"these files hold rows of {len(sources)} models or weights ({sorted(map(str, sources))}): "
                          "pass one model's results")
@@ -52,7 +57,7 @@ def main():
     for i, d in by.items():
         if "full" not in d or "pic" not in d:
             continue
-        for g in groups(ev[i], len(ev[i]["segments"])):
+        for g in groups(ev[i], gold_at[i]):
             stats[g]["n"] += 1
             for m in modes:
                 stats[g][m] += d.get(m, 0.0)

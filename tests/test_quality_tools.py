@@ -146,3 +146,15 @@ def test_report_keeps_rows_of_other_weights_apart(tmp_path, capsys):
     assert "| m@aaaaaaaa | kc8 | full | - | 4 | 100.0" in out and "| m@bbbbbbbb | kc8 | full | - | 4 | 0.0" in out
     report([a])
     assert "| m | kc8 | full | - | 4 | 100.0" in capsys.readouterr().out
+
+
+def test_gap_breakdown_places_the_gold_document_where_the_prompt_had_it():
+    """gap_breakdown.groups: the needle's place is read from the stored gold document, the gold document's half
+    from where the evaluated (shuffled) prompt put it, not from its stored index."""
+    from gap_breakdown import groups
+
+    row = {"segments": ["Document: The special magic number for kiwi is 42.\n", "Document: a\n",
+                        "Document: b\n", "Document: the cache is flushed first. The special magic number for fig is 7.\n"], "gold": 0}
+    assert groups(row, 3) == ["needle first in its document", "gold document in the second half", "all"]
+    row["gold"] = 3
+    assert groups(row, 0) == ["needle later in its document", "gold document in the first half", "all"]
