@@ -36,10 +36,11 @@ from hypic.config import EngineConfig, ModelConfig  # noqa: E402
 from hypic.models.loader import LoadedModel, _build, _fingerprint, _generator  # noqa: E402
 from hypic.models.presets import preset_config  # noqa: E402
 from hypic.runtime import trace  # noqa: E402
-from hypic.runtime.compose_graph import ComposeBuffers  # noqa: E402
 
 HOST_SPANS = ("llm.make_requests", "engine.plan", "engine.cold", "compose.lower", "compose.load_tables",
               "compose.state", "engine.complete")
+# compose.load_tables is what a CUDA request loads before its first graph piece; the static CPU pass's compose.load
+# also packs every layer's cached tensors, which CUDA does piece by piece beside the running graph
 NOTES = {"compose.load": "CPU: the tables, then every layer's cached tensors packed (CUDA: per graph piece)",
          "engine.compose": "the tiny model's eager forward on the CPU included",
          "engine.sample": "CPU sampling of the tiny model's logits"}
@@ -91,15 +92,6 @@ def main():
     print(f"{cfg.num_layers} layers; cold request (isolated prefill of {args.segments} x {args.seg_len}) "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
-    # what a CUDA request loads before its first graph piece: the tables alone (the static CPU pass's compose.load
-    # also packs every layer's cached tensors, which CUDA does piece by piece beside the running graph)
-    load_tables = ComposeBuffers.load_tables
-
-    def timed_load_tables(self, low):
-        with trace.span("compose.load_tables"):
-            load_tables(self, low)
-
-    ComposeBuffers.load_tables = timed_load_tables
     trace.TIMES = times = {}
     walls = []
     for r in range(args.reps + 1):
@@ -112,7 +104,6 @@ def main():
         if r == 0:                        # the first warm request: its shape is new (buffers made)
             times.clear()
     trace.TIMES = None
-    ComposeBuffers.load_tables = load_tables
     assert out.composed_tokens > 0 and out.cold_prefill_tokens == 0, "the warm request was not composed"
 
     rows = {}

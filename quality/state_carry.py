@@ -105,8 +105,8 @@ def main():
     print(f"{args.model} on {args.set}, {len(rows)} prompts of {len(rows[0]['segments'])} documents (medians)")
     print(f"{'layer':>5} {'|T|_2':>9} {'carried':>9} {'naive err':>10} {'p90':>9} {'decay':>7} {'beta':>6}")
     for r in table:
-        print(f"{r['layer']:>5} {r['t_norm']:>9.2e} {r['carried']:>9.3f} {r['naive_err']:>10.3f} {r['naive_err_p90']:>9.3f}"
-              f" {r['decay']:>7.3f} {r['beta']:>6.3f}")
+        print(f"{r['layer']:>5} {r['t_norm']:>9.2e} {r['carried']:>9.3f} {r['naive_err']:>10.3f} "
+              f"{r['naive_err_p90']:>9.3f} {r['decay']:>7.3f} {r['beta']:>6.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(model=args.model, set=args.set, n=len(rows), layers=table), indent=1))
 

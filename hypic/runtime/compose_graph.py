@@ -349,17 +349,18 @@ class ComposeBuffers:
         self.fill(low, 0, 1 << 30)
 
     def load_tables(self, low: Lowered) -> None:
-        if self._copied is not None:         # the host buffers are rewritten only once the last request's copies ran
-            self._copied.synchronize()       # (long done: its first token was read back since)
-        for name, t in low.tables.items():
-            g, a, b = self._slots[name]
-            if t.numel() != b - a:
-                raise ValueError(f"table {name}: {t.numel()} values for a buffer of {b - a}")
-            self._groups[g][2][a:b] = t.numpy().reshape(-1)
-        for dev, host, _ in self._groups:
-            dev.copy_(host, non_blocking=True)
-        self._mark_copied()
-        self.copy_tables = []
+        with span("compose.load_tables"):
+            if self._copied is not None:     # the host buffers are rewritten only once the last request's copies ran
+                self._copied.synchronize()   # (long done: its first token was read back since)
+            for name, t in low.tables.items():
+                g, a, b = self._slots[name]
+                if t.numel() != b - a:
+                    raise ValueError(f"table {name}: {t.numel()} values for a buffer of {b - a}")
+                self._groups[g][2][a:b] = t.numpy().reshape(-1)
+            for dev, host, _ in self._groups:
+                dev.copy_(host, non_blocking=True)
+            self._mark_copied()
+            self.copy_tables = []
 
     def _mark_copied(self) -> None:
         if self.device.type == "cuda":
