@@ -35,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 def chains(entries, layer: int):
     """Exact and naive composition of the documents' (T, S) at one layer, from a zero state."""
+    from hypic.compose.transition import Transition, compose
+
     exact = naive = None
     for e in entries:
         part = e.layers[layer]
@@ -42,8 +44,8 @@ def chains(entries, layer: int):
         if exact is None:
             exact, naive = S.clone(), S.clone()
             continue
-        exact = part.T.apply(exact.to(part.T.t.dtype)).double() + S
-        naive = naive + S
+        exact = compose(exact, Transition(part.T.form, part.T.t.double()), S)
+        naive = compose(naive, part.T, S, exact=False)
     return exact, naive
 
 

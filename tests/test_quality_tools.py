@@ -158,3 +158,56 @@ def test_gap_breakdown_places_the_gold_document_where_the_prompt_had_it():
     assert groups(row, 3) == ["needle first in its document", "gold document in the second half", "all"]
     row["gold"] = 3
     assert groups(row, 0) == ["needle later in its document", "gold document in the first half", "all"]
+
+
+def _state_carry(tmp_path, monkeypatch, ckpt, docs):
+    import json
+
+    import state_carry
+
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    rows = [{"prefix": "", "segments": d, "query": "q", "answer": "a"} for d in docs]
+    (data / "eval_x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "carry.json"
+    monkeypatch.setattr(sys, "argv", ["state_carry.py", "--model", str(ckpt), "--set", "x", "--n", str(len(rows)),
+                                      "--data", str(data), "--out", str(out)])
+    state_carry.main()
+    return json.loads(out.read_text())["layers"]
+
+
+DOCS = [["Ada Lovelace wrote the first program. ", "The engine was never built in her time. ",
+         "Babbage designed it in London. "],
+        ["Paris is the capital of France. ", "Rome sits on seven hills, they say. "]]
+
+
+def test_state_carry_sees_state_cross_documents_only_where_the_gates_keep_it(tmp_path, monkeypatch, hf_checkpoints):
+    """quality/state_carry.py's two regimes on the tiny Qwen3.5 model: with the test models' slow decays (A in
+    [0.01, 0.3]) every linear layer keeps most of its state per token, a document's T is far from 0, the final state
+    carries earlier documents and naive addition is off; with A = 1e4 (decay exp(-1e4 dt) = 0, the regime of
+    transformers' init that left the first GDN model memoryless) T is 0, nothing is carried and the exact chain is
+    the last document's S, while naive addition still differs from it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hypic.segment.tokenizer import Tokenizer
+
+    _, path = hf_checkpoints["qwen3_5"]
+    (tmp_path / "slow").mkdir()
+    slow = _state_carry(tmp_path / "slow", monkeypatch, path, DOCS)
+    assert len(slow) >= 2
+    for r in slow:
+        assert 0.5 < r["decay"] < 1 and r["t_norm"] > 0.05 and r["carried"] > 0.01 and r["naive_err"] > 0.01
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.fill_(float(torch.tensor(1e4).log()))
+    fast = tmp_path / "fast_ckpt"
+    model.save_pretrained(fast)
+    Tokenizer.builtin_bytes().hf.save_pretrained(fast)
+    (tmp_path / "fast").mkdir()
+    rows = _state_carry(tmp_path / "fast", monkeypatch, fast, DOCS)
+    for r in rows:
+        assert r["decay"] == 0 and r["t_norm"] == 0 and r["carried"] == 0 and r["naive_err"] > 0.01
