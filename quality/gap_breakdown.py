@@ -1,10 +1,12 @@
-"""Where a `pic` - `full` gap on needle questions comes from: by the needle's place in its document and the
-gold document's place in the prompt (issue 6; paired per question, as eval_pic's report).
+"""Where a `pic` - `full` gap on needle or two-hop questions comes from: by the needle's place in its document (or
+the two-hop question's kind) and the gold document's place in the prompt (issue 6; paired per question, as
+eval_pic's report).
 
     python quality/gap_breakdown.py quality/results/kimi-kda-16m-pic_needle8.jsonl [--set needle8] [--seam 8]
 
 Groups: the needle sentence first in its document (it starts within the first 30 characters, right after
-"Document: ") or later; the gold document among the first half of the prompt's documents or the second.
+"Document: ") or later; for two-hop questions (--set twohop8) the city questions, and the job questions by which of
+the second person's two sentences comes first; the gold document among the first half of the prompt's documents or the second.
 """
 
 from __future__ import annotations
@@ -19,14 +21,28 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDLE = re.compile(r"magic number for (.+?) is (\S+?)\.")
 
 
+def two_hop_case(row: dict) -> str:
+    """A two-hop question's kind (build_corpus.two_hop): the city of A's relative B, or B's job, and for a job
+    question which of B's two sentences comes first in B's document ("B lives in C." with B's full name, or
+    "Y works as a J." with the first name only, where the chain A -> B's full name -> the job must reach back)."""
+    if "What is the job of" not in row["query"]:
+        return "city question"
+    doc = next(d for d in row["segments"] if f"works as a {row['answer']}." in d and " lives in " in d)
+    first = "job sentence first" if doc.index(" works as a ") < doc.index(" lives in ") else "'lives in' sentence first"
+    return f"job question, {first}"
+
+
 def groups(row: dict, gold_position: int) -> list[str]:
     """row: the eval set's question (its documents in stored order, `gold` indexing them); gold_position: where the
-    gold document stood in the prompt that was evaluated (eval_pic shuffles the documents per question)."""
-    doc = row["segments"][row["gold"]]
-    m = NEEDLE.search(doc)
-    place = "needle first in its document" if m is not None and m.start() < 30 else "needle later in its document"
+    gold document stood in the prompt that was evaluated (eval_pic shuffles the documents per question). Needle
+    questions by the needle's place in its document, two-hop questions by their kind (`two_hop_case`)."""
     half = ("gold document in the first half" if gold_position < len(row["segments"]) // 2
             else "gold document in the second half")
+    query = row.get("query", "")
+    if "What is the job of" in query or "In which city does" in query:
+        return [two_hop_case(row), half, "all"]
+    m = NEEDLE.search(row["segments"][row["gold"]])
+    place = "needle first in its document" if m is not None and m.start() < 30 else "needle later in its document"
     return [place, half, "all"]
 
 
@@ -61,10 +77,10 @@ def main():
             stats[g]["n"] += 1
             for m in modes:
                 stats[g][m] += d.get(m, 0.0)
-    print(f"{'group':<36}{'n':>5}" + "".join(f"{m:>8}" for m in modes) + f"{'pic - full':>12}")
+    print(f"{'group':<42}{'n':>5}" + "".join(f"{m:>8}" for m in modes) + f"{'pic - full':>12}")
     for g, c in sorted(stats.items(), key=lambda kv: kv[0]):
         n = c["n"]
-        print(f"{g:<36}{n:>5}" + "".join(f"{100 * c[m] / n:>8.1f}" for m in modes)
+        print(f"{g:<42}{n:>5}" + "".join(f"{100 * c[m] / n:>8.1f}" for m in modes)
               + f"{100 * (c['pic'] - c['full']) / n:>+12.1f}")
 
 

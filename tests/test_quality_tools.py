@@ -160,6 +160,23 @@ def test_gap_breakdown_places_the_gold_document_where_the_prompt_had_it():
     assert groups(row, 0) == ["needle later in its document", "gold document in the first half", "all"]
 
 
+def test_gap_breakdown_sorts_two_hop_questions_by_kind():
+    """Two-hop questions (build_corpus.two_hop): city questions apart, job questions by which of the second person's
+    sentences comes first in that person's document (the job sentence names the first name only)."""
+    from gap_breakdown import groups
+
+    docs = ["Document: Ana Bel's cousin is Cid Dor. Ana owns a cat.\n",
+            "Document: Cid works as a baker. Cid Dor lives in Oslo.\n",
+            "Document: Eva works as a tailor. Eva Fay lives in Lima.\n"]
+    job = {"segments": docs, "gold": 0, "query": "Question: What is the job of Ana Bel's cousin?\nAnswer:",
+           "answer": "baker"}
+    assert groups(job, 2)[0] == "job question, job sentence first"
+    job["segments"][1] = "Document: Cid Dor lives in Oslo. Cid works as a baker.\n"
+    assert groups(job, 0)[:2] == ["job question, 'lives in' sentence first", "gold document in the first half"]
+    city = dict(job, query="Question: In which city does Ana Bel's cousin live?\nAnswer:", answer="Oslo")
+    assert groups(city, 1) == ["city question", "gold document in the second half", "all"]
+
+
 def _state_carry(tmp_path, monkeypatch, ckpt, docs):
     import json
 
