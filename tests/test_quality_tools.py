@@ -148,6 +148,26 @@ def test_report_keeps_rows_of_other_weights_apart(tmp_path, capsys):
     assert "| m | kc8 | full | - | 4 | 100.0" in capsys.readouterr().out
 
 
+def test_report_pairs_naive_with_pic_at_its_seam(tmp_path, capsys):
+    """eval_pic --report: `naive` against `pic` at the same seam, paired per question (the bar "naive clearly below
+    pic"); a seam with no `pic` rows gets no pair."""
+    import json
+
+    from eval_pic import report
+
+    def row(mode, seam, i, em):
+        return json.dumps({"model": "ck/m", "set": "kc8", "mode": mode, "seam": seam, "i": i, "em": em, "f1": em,
+                           "nll": 1.0})
+
+    a = tmp_path / "a.jsonl"
+    lines = [row("full", 8, i, 1.0) for i in range(4)] + [row("pic", 8, i, 1.0) for i in range(4)]
+    lines += [row("naive", 8, i, float(i % 2)) for i in range(4)] + [row("naive", 4, i, 0.0) for i in range(4)]
+    a.write_text("\n".join(lines))
+    report([a])
+    out = capsys.readouterr().out
+    assert "| m | kc8 | 8 | 4 | -50.0 [" in out and "| m | kc8 | 4 |" not in out
+
+
 def test_gap_breakdown_places_the_gold_document_where_the_prompt_had_it():
     """gap_breakdown.groups: the needle's place is read from the stored gold document, the gold document's half
     from where the evaluated (shuffled) prompt put it, not from its stored index."""
