@@ -9,6 +9,12 @@ The warm `pic` request's chain per linear layer: 20 seam runs of 8 tokens, each 
                  three tf32 products straight from shared memory, no split in the step (ptxas offline: 148 bytes of
                  spills at one stage against 224 for dense; two stages need 334 KB of shared memory: not built)
 
+    prepaired    each seam run and the cached segment after it composed into one map before the scan,
+                 [T_e S_r + S_e | T_e T_r] (`pair_maps`: one batched fp32 product per layer, timed apart), so the
+                 chain is 24 steps of the dense default's run step (44 -> 24) with the kernel unchanged; the row's
+                 time is the scan alone, `pair_us` the product (the fourteenth session's `pairs` composed them inside
+                 the step instead and lost to its register pressure)
+
 (Runs 54-55 also timed, at git 4a0a8c6, a seam run and the segment after it as one step and the state held
 transposed: both slower, removed; their rows are in benchmarks/results/gpu/scan_bench_run5{4,5}.json.)
 --wide: the 16-warp configurations. Each form is checked against the fp64 chain (1e-5 relative, as tests/test_gpu.py) and timed by CUDA events over
@@ -66,6 +72,16 @@ def chain(dev):
                 T_hi=T_hi, T_lo=T_lo)
 
 
+def pair_maps(c):
+    """[T_e S_r + S_e | T_e T_r] for each seam run and the cached segment after it, the query runs' [S | T] as they
+    are: the maps of the 24-step chain. fp32 products at full precision (no tf32): the maps stay fp32-exact."""
+    d = c["dense"].clone()
+    prod = torch.matmul(c["T"], d[:E])                  # [E, H, K, V + K]
+    prod[..., :V] += c["S"]
+    d[:E] = prod
+    return d
+
+
 def tables(c, form, dev):
     """The chain's step table for a form (its columns as `scan_steps` documents them) and cu."""
     t0s, lens = c["t0s"], c["lens"]
@@ -75,7 +91,11 @@ def tables(c, form, dev):
         run_row = lambda m: [(m - E) * H * (2 * W + 1) * K * 4, (m - E) * H * K * V * 4]  # noqa: E731
     rows = []
     for m in c["order"]:
-        if m < E and form == "split":                    # T's tf32 part at column 0, the rest at column 6
+        if m < E and form == "prepaired":                # composed into the run before it
+            continue
+        if m >= E and form == "prepaired":
+            rows.append([(m - E) * H * K * (V + K) * 4] * 2 + [1, m, t0s[m], lens[m - E]])
+        elif m < E and form == "split":                    # T's tf32 part at column 0, the rest at column 6
             rows.append([c["T_hi"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0, c["T_lo"][m].data_ptr()])
         elif m < E:
             rows.append([c["T"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0])
@@ -110,9 +130,14 @@ def main():
     want = c["outs"][..., :V].double() + torch.einsum("nhk,nhkv->nhv", c["outs"][..., V:].double(), starts)
     rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
     forms = {"dense": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)], "factored": [(32, 8, 2), (32, 8, 1)],
-             "split": [(32, 8, 1), (16, 4, 1), (32, 4, 1), (16, 8, 1), (64, 8, 1)]}
+             "split": [(32, 8, 1), (16, 4, 1), (32, 4, 1), (16, 8, 1), (64, 8, 1)],
+             "prepaired": [(32, 8, 2), (32, 8, 1)]}
     if args.wide:              # 16 warps: T [128 x 128] at 32 registers per thread instead of 64 (run 31 saw a fault
         forms = {"dense": [(32, 16, 2), (32, 16, 1), (64, 16, 1)]}       # in the factored form with 16 warps)
+    torch.backends.cuda.matmul.allow_tf32 = False      # pair_maps at full fp32 precision
+    paired = pair_maps(c)
+    pair_t = launch_times(lambda: pair_maps(c), args.reps, dev.type == "cuda")
+    print(f"pair_maps: {pair_t['us']:.1f} us (min {pair_t['us_min']:.1f}) per layer", flush=True)
     rows, t_start = [], time.time()
     for form, cfgs in forms.items():
         if any(r.get("fault") for r in rows):          # the CUDA context is lost: nothing more can run
@@ -123,11 +148,14 @@ def main():
 
             def launch(o=got, steps=steps, cu=cu, cfg=cfg, form=form):
                 kw = dict(outputs=o, max_run=QLEN, bv=cfg[0], warps=cfg[1], stages=cfg[2])
-                if form == "dense":
-                    return ts.scan_steps(c["init"], steps, cu, c["dense"], E + c["n"], **kw)[1]
+                if form in ("dense", "prepaired"):
+                    maps = paired if form == "prepaired" else c["dense"]
+                    return ts.scan_steps(c["init"], steps, cu, maps, E + c["n"], **kw)[1]
                 return ts.scan_steps(c["init"], steps, cu, c["S_r"], E + c["n"], factors=c["F"], split=form == "split",
                                      **kw)[1]
             row = dict(form=form, config=list(cfg), steps=int(steps.shape[0]))
+            if form == "prepaired":
+                row["pair_us"] = pair_t["us"]
             final = first_launch(launch, dev.type == "cuda", row, rows)
             if final is None:
                 if row["fault"]:
@@ -153,12 +181,14 @@ def main():
         else:
             print(f"| {r['form']} | {tuple(r['config'])} | {r['steps']} | not built: {r['error'][:60]} | | | |")
     best = {f: min((r["us"] for r in rows if r["form"] == f and r.get("ok")), default=None) for f in forms}
-    print("best per form (us):", best, f"({time.time() - t_start:.0f} s)")
+    print("best per form (us):", best, f"({time.time() - t_start:.0f} s); prepaired + pair_maps:",
+          None if best.get("prepaired") is None else round(best["prepaired"] + pair_t["us"], 1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)"
     (out / "scan_bench.json").write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), device=name,
-                                                          torch=torch.__version__, rows=rows, best=best), indent=1))
+                                                          torch=torch.__version__, rows=rows, best=best,
+                                                          pair_maps_us=pair_t["us"]), indent=1))
 
 
 if __name__ == "__main__":
