@@ -94,3 +94,31 @@ def test_diagonal_and_scalar_summaries_compose(per_channel, lengths, h, hv, dk, 
     if t > 30:                          # enough decay for T to differ visibly from I
         naive = compose_chain(s_in, list(zip(ts, s_zero)), exact=False)
         assert (naive - ref).norm() / ref.norm() > 0.05
+
+
+def test_prepaired_chain_equals_the_chain_of_runs_and_segments(monkeypatch):
+    """benchmarks/scan_bench.py's `prepaired` form: each seam run composed with the cached segment after it into one
+    map [T_e S_r + S_e | T_e T_r] before the scan gives the 44-step chain's states at every run's start (where the
+    run's outputs are corrected) and its final state, in 24 steps (fp32 reference scans: 1e-5 relative)."""
+    from pathlib import Path
+
+    from hypic.compose.scan import scan_dense_reference
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import scan_bench as sb
+
+    monkeypatch.setattr(sb, "H", 1)
+    c = sb.chain(torch.device("cpu"))
+    before, final = scan_dense_reference(c["init"], c["T"], c["S"], [0, len(c["order"])], c["order"], c["dense"])
+    runs = [m for m in c["order"] if m >= sb.E]
+    assert len(c["order"]) == 44 and len(runs) == 24
+    b2, f2 = scan_dense_reference(c["init"], c["T"], c["S"], [0, len(runs)], runs, sb.pair_maps(c))
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(f2, final) < 1e-5
+    assert rel(b2[runs], before[runs]) < 1e-5
+    # the order of the product matters: the run first, then the segment
+    wrong = c["dense"].clone()                      # the segment first, then the run
+    Sr, Tr = wrong[:sb.E, ..., :sb.V].clone(), wrong[:sb.E, ..., sb.V:].clone()
+    wrong[:sb.E, ..., :sb.V] = Tr @ c["S"] + Sr
+    wrong[:sb.E, ..., sb.V:] = Tr @ c["T"]
+    assert rel(scan_dense_reference(c["init"], c["T"], c["S"], [0, len(runs)], runs, wrong)[1], final) > 1e-2
