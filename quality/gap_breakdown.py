@@ -21,12 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDLE = re.compile(r"magic number for (.+?) is (\S+?)\.")
 
 
-def two_hop_case(row: dict) -> str:
+def two_hop_case(row: dict) -> str | None:
     """A two-hop question's kind (build_corpus.two_hop): the city of A's relative B, or B's job, and for a job
     question which of B's two sentences comes first in B's document ("B lives in C." with B's full name, or
-    "Y works as a J." with the first name only, where the chain A -> B's full name -> the job must reach back)."""
-    if "What is the job of" not in row["query"]:
+    "Y works as a J." with the first name only, where the chain A -> B's full name -> the job must reach back).
+    None for a question of another set."""
+    query = row.get("query", "")
+    if "In which city does" in query:
         return "city question"
+    if "What is the job of" not in query:
+        return None
     doc = next(d for d in row["segments"] if f"works as a {row['answer']}." in d and " lives in " in d)
     first = "job sentence first" if doc.index(" works as a ") < doc.index(" lives in ") else "'lives in' sentence first"
     return f"job question, {first}"
@@ -38,9 +42,9 @@ def groups(row: dict, gold_position: int) -> list[str]:
     questions by the needle's place in its document, two-hop questions by their kind (`two_hop_case`)."""
     half = ("gold document in the first half" if gold_position < len(row["segments"]) // 2
             else "gold document in the second half")
-    query = row.get("query", "")
-    if "What is the job of" in query or "In which city does" in query:
-        return [two_hop_case(row), half, "all"]
+    kind = two_hop_case(row)
+    if kind is not None:
+        return [kind, half, "all"]
     m = NEEDLE.search(row["segments"][row["gold"]])
     place = "needle first in its document" if m is not None and m.start() < 30 else "needle later in its document"
     return [place, half, "all"]
