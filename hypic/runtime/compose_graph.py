@@ -15,7 +15,9 @@ once, on the host, to device tables, and the forward becomes a pure function of 
                scan a run's T in factored form, rank <= 16: layers/linear.py RUN_FACTORS); order [E + R] lists
                the slots in sequence order, then the pad runs as a second chain from zero (cu_maps
                [0, E + R_real, E + R]): the first chain's final state is the request's, and every
-               pad run gets a finite initial state without lengthening the request's chain
+               pad run gets a finite initial state without lengthening the request's chain; cu_pair: the
+               same chains' step counts where each run that a cached map follows is one step with it
+               (layers/linear.py PAIR_RUNS)
     conv       one source buffer per linear layer: the initial window, the entries' tails packed,
                then the active raw inputs; conv_idx [Np, W] names each token's W inputs in it
     linear     the initial state [1, H, K, V] (the request's, after a cached prefix; else zero)
@@ -129,6 +131,8 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
             order.append(e + ri)
             ri += 1
     main = len(order)                                # the request's chain; the pad runs: a second one
+    # the chain's steps with each run that a cached map follows composed with that map (layers/linear.py PAIR_RUNS)
+    paired = sum(1 for a, b in zip(order, order[1:]) if a >= e and b < e)
     order.extend(range(e + ri, e + r))
     shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax)
 
@@ -210,6 +214,7 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     t = torch.from_numpy
     tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), cu=t(cu),
                   cu_maps=torch.tensor([0, main, main + r - ri], dtype=torch.int32),
+                  cu_pair=torch.tensor([0, main - paired, main - paired + r - ri], dtype=torch.int32),
                   order=torch.tensor(order, dtype=torch.int32),
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
@@ -296,7 +301,7 @@ class ComposeBuffers:
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.ids, self.positions, self.logits_index = z(np_), z(np_), z(1)
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
-        self.cu_maps, self.order = z(3, dt=torch.int32), z(e + r, dt=torch.int32)
+        self.cu_maps, self.cu_pair, self.order = z(3, dt=torch.int32), z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
         self.kpos, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(np_)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
@@ -316,7 +321,7 @@ class ComposeBuffers:
         for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
                                         "kperm", "qlast"] + (["conv_idx", "window"] if self.conv_idx is not None
                                                              else [])),
-                          (torch.int32, ["cu_maps", "order"])):
+                          (torch.int32, ["cu_maps", "cu_pair", "order"])):
             sizes = [getattr(self, nm).numel() for nm in names]
             dev = torch.zeros(sum(sizes), dtype=dt, device=device)
             host = torch.zeros(sum(sizes), dtype=dt, pin_memory=cuda)
@@ -332,8 +337,9 @@ class ComposeBuffers:
         self.steps = None
         users = shared.get("steps", [])
         if users:
-            host = torch.zeros(len(users), e + r, 6, dtype=torch.long, pin_memory=cuda)
-            dev = torch.zeros(len(users), e + r, 6, dtype=torch.long, device=device)
+            # (rows E + R .. 2 E + R - 1: the pair table of a layer whose runs are paired, linear.PAIR_RUNS)
+            host = torch.zeros(len(users), 2 * e + r, 6, dtype=torch.long, pin_memory=cuda)
+            dev = torch.zeros(len(users), 2 * e + r, 6, dtype=torch.long, device=device)
             for i, buf in enumerate(users):
                 buf["steps_host"], buf["steps"] = host[i], dev[i]
             self.steps = (host, dev)
