@@ -414,9 +414,9 @@ def _pair_kernel(table, a_addr, p_addr, W: tl.constexpr, H: tl.constexpr, K: tl.
     followed by the cached map e, as one map [T_e S_r + S_e | T_e T_r]. Row i of the table (W int64 columns): T_e's
     address, S_e's address, the run's byte offset from a_addr, the pair's byte offset from p_addr; a row whose T
     address is 0 is a pad (nothing read or written)."""
-    i = tl.program_id(0)
+    tile = tl.program_id(0)         # a (pair, head)'s tiles one after another: its T_e and run are read from L2
     h = tl.program_id(1)
-    tile = tl.program_id(2)
+    i = tl.program_id(2)
     NN: tl.constexpr = (V + K + BN - 1) // BN
     rm = (tile // NN) * BM + tl.arange(0, BM)
     rn = (tile % NN) * BN + tl.arange(0, BN)
@@ -467,7 +467,7 @@ def pair_maps(table: torch.Tensor, runs: torch.Tensor, pairs: torch.Tensor, *, c
     if table.shape[0] == 0:
         return pairs
     bm, bn, bk, w = config or PAIR_CONFIG
-    grid = (table.shape[0], h, triton.cdiv(k, bm) * triton.cdiv(vk, bn))
+    grid = (triton.cdiv(k, bm) * triton.cdiv(vk, bn), h, table.shape[0])
     _pair_kernel[grid](table, runs.data_ptr(), pairs.data_ptr(), W=table.stride(0), H=h, K=k, V=vk - k, BM=bm, BN=bn,
                        BK=bk, PREC=precision, num_warps=w)
     return pairs
