@@ -82,7 +82,8 @@ def profile(name, fn):
     sync()
     _spans.ENABLED = True
     try:
-        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        # record_shapes: the by-shape table below names the tensors (run 53's log had that table without shapes)
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as pr:
             fn()
             sync()
     finally:
