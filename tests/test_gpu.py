@@ -607,8 +607,8 @@ got = outs.clone()
 triton_scan.scan_steps(init, steps6, cu, runs, E + N, outputs=got, max_run=run_len, bv=16, stages=1)
 assert rel(got[..., :V], want) < 1e-6
 sz = H * K * (V + K) * 4                       # runs 0 and 1 composed with the cached maps after them (pair_maps)
-ptab = torch.tensor([[Ts[0].data_ptr(), Ss[0].data_ptr(), 0, 0, 0, 0], [Ts[1].data_ptr(), Ss[1].data_ptr(), sz, sz, 0, 0],
-                     [0] * 6], dtype=torch.int64)                     # the last row a pad: nothing written
+ptab = torch.tensor([[Ts[0].data_ptr(), Ss[0].data_ptr(), 0, 0, 0, 0],
+                     [Ts[1].data_ptr(), Ss[1].data_ptr(), sz, sz, 0, 0], [0] * 6], dtype=torch.int64)   # row 3: a pad
 pairs = torch.full((3, H, K, V + K), float("nan"))
 triton_scan.pair_maps(ptab, runs, pairs)
 assert rel(pairs[:2], sc.pair_maps_reference(T, S, runs, [(0, 0), (1, 1)])) < 1e-6 and pairs[2].isnan().all()

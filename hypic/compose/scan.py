@@ -106,5 +106,5 @@ def stack_dense(maps: list) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([t.t.float() for t, _ in maps]), torch.stack([s.float() for _, s in maps])
 
 
-__all__ = ["scan_chain", "scan_dense", "scan_steps", "scan_dense_reference", "pair_maps_reference", "kernel_ready", "stack_dense",
-           "Form", "Transition"]
+__all__ = ["scan_chain", "scan_dense", "scan_steps", "scan_dense_reference", "pair_maps_reference", "kernel_ready",
+           "stack_dense", "Form", "Transition"]

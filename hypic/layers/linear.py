@@ -151,7 +151,8 @@ class LinearMixer(nn.Module):
                 buf["factor_width"] = factor_width(shape.lmax)
             elif PAIR_RUNS and e and triton_kernel("pairs") is not None:
                 # the pairs' maps: one buffer for the layers of this state shape (they run one after another)
-                buf["pairs"] = shared.setdefault(("pairs", self.state_shape), torch.zeros(e, h, k, v + k, device=device))
+                buf["pairs"] = shared.setdefault(("pairs", self.state_shape),
+                                                 torch.zeros(e, h, k, v + k, device=device))
         else:
             buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))
         return buf
@@ -254,8 +255,7 @@ class LinearMixer(nn.Module):
             else:
                 off_t, off_s = ri * (h * (2 * width + 1) * k * 4), ri * (h * k * v * 4)
             if paired:
-                main = int(low.tables["cu_maps"][1])
-                first = np.flatnonzero(is_run[: main - 1] & ~is_run[1:main])     # a run, then a cached map
+                first = low.pair_first                                          # a run, then a cached map
                 size = h * k * (v + k) * 4
                 pairs = (order[first + 1], off_t[first], np.arange(len(first), dtype=np.int64) * size)
                 kind[first] = 2

@@ -143,18 +143,18 @@ def _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K: tl.constexpr, V:
 
 
 @triton.jit
-def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk, off_at,
-                off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
+def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                off_at, off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
                 CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr,
                 SPLIT: tl.constexpr = False):
     """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
     S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
     a_addr) at that byte offset (is_run 2: a run composed with the cached map after it, `pair_maps`: its
-    [T_e S_r + S_e | T_e T_r] at that byte offset from p_addr, corrected as the run); with FACTORS its S [H, K, V] lies there and its transition's factors
-    [H, 2 BF + 1, K] (Kd, W, gamma: T = gamma I - Kd^T W) at the first offset from f_addr, and the step is
-    x <- gamma x - Kd^T (W x) + S. Without CORRECT, before[slot] <- x for runs; with it, the run's
-    tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's [N, H, V + K]
-    outputs, u_t its last K columns), x being the run's true initial state.
+    [T_e S_r + S_e | T_e T_r] at that byte offset from p_addr, corrected as the run); with FACTORS its S [H, K, V]
+    lies there and its transition's factors [H, 2 BF + 1, K] (Kd, W, gamma: T = gamma I - Kd^T W) at the first
+    offset from f_addr, and the step is x <- gamma x - Kd^T (W x) + S. Without CORRECT, before[slot] <- x for
+    runs; with it, the run's tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's
+    [N, H, V + K] outputs, u_t its last K columns), x being the run's true initial state.
     The step's loads (S; T or its factors; the correction's u and o) are issued together before any product:
     a loaded value is used only after the last load is issued (H200 runs 33-36: 1.2 ms faster on the warm
     request than loads in the order of use, with dense runs). A masked load whose mask is off reads nothing,
@@ -180,7 +180,8 @@ def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, 
             tlp = tl.load(row + 6).to(tl.pointer_type(tl.float32))
             t_lo = tl.load(tlp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
     else:
-        t, s = _dense_map(tv, sv, is_run, tl.where(kind == 2, p_addr, a_addr), h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
+        t, s = _dense_map(tv, sv, is_run, tl.where(kind == 2, p_addr, a_addr), h, off_kk, off_kv, off_at, off_as,
+                          m_kv, m_kk, K, V, EVEN)
     if CORRECT:
         uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
         u = tl.load(uptr, mask=mu, other=0.0)
@@ -230,13 +231,13 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, p_addr, before, final, cu, o
     j1 = tl.load(cu + r + 1)
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            x = _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
-                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
+            x = _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk,
+                            off_kk, off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
     else:
         j = j0
         while j < j1:
-            x = _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
-                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
+            x = _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk,
+                            off_kk, off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
@@ -383,8 +384,8 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     def launch(cfg, _o=ou):
         b, w, st = cfg
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-            init, steps, a_addr, f_addr, p_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
-            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
+            init, steps, a_addr, f_addr, p_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b,
+            PREC=precision, STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
             EVEN=bk == k and v % b == 0, SPLIT=split, num_warps=w)
 
     cfg = _default(r, h, v, init.device)

@@ -99,6 +99,7 @@ class Lowered:
     entries: list               # the Apply pieces' entries, storage order
     tail_rows: list             # rows each entry's tail occupies in the conv source (per linear layer: same)
     kmask: torch.Tensor         # the mask position of every key (host only: kperm and qlast are made from it)
+    pair_first: np.ndarray      # chain steps j (request's chain) of a run that a cached map follows (cu_pair's pairs)
     memo: dict = field(default_factory=dict)   # what the layers of one kind derive alike from the tables
 
 
@@ -132,7 +133,9 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
             ri += 1
     main = len(order)                                # the request's chain; the pad runs: a second one
     # the chain's steps with each run that a cached map follows composed with that map (layers/linear.py PAIR_RUNS)
-    paired = sum(1 for a, b in zip(order, order[1:]) if a >= e and b < e)
+    run_at = np.asarray(order, dtype=np.int64) >= e
+    pair_first = np.flatnonzero(run_at[:-1] & ~run_at[1:])
+    paired = len(pair_first)
     order.extend(range(e + ri, e + r))
     shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax)
 
@@ -219,7 +222,8 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
         tables.update(conv_idx=t(conv_idx), window=t(window))
-    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask))
+    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask),
+                   pair_first)
 
 
 
