@@ -778,8 +778,8 @@ RUN_FACTORS = False
 # each seam run composed with the cached segment after it before the scan (ops/triton_scan.pair_maps, one launch per
 # layer), so the chain walks one step per pair: 24 steps instead of 44 on the 35B request. H200 run 59
 # (benchmarks/scan_bench.py): the 24-step chain 230 us against the 44-step one's 364, the pairs by cuBLAS in fp32 222
-# us; the pair kernel (tf32x3 tiles) is new and not yet timed on the device: off until gpu_bench's `pair_runs` has
-# timed it against the default.
+# us; H200 run 63: the pair kernel (tf32x3 tiles) 400 us per layer at its best tile, and gpu_bench's `pair_runs`
+# +15.06 ms on the warm request against the default (docs/benchmarks.md "run 63"): off.
 PAIR_RUNS = False
 
 
