@@ -48,6 +48,33 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     return o.to(dtype), (s if output_final_state else None)
 
 
+def _chunk_layout(cu_seqlens, c: int, device):
+    """Index tables that lay a packed varlen batch out as chunks of c tokens, each sequence padded to a multiple of
+    c only (not to the longest sequence, as _pad_varlen does: the chunked form's pairwise decays are C x C x K floats
+    per chunk, so padding a batch of mixed lengths to the longest multiplied its memory and work by max / mean,
+    2-3x on the PIC tune's batches). Returns (tok [M * c]: the token at each chunk slot, T for a pad slot (a zero row
+    appended); grid [N, n_max]: the chunk at each (sequence, chunk index), M (an identity chunk appended) past a
+    sequence's end; back [T]: each token's chunk slot; real [M]: each chunk's place in the flattened grid; lens)."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    total = int(cu_seqlens[-1]) if lens else 0
+    nch = [-(-n // c) for n in lens]
+    m, n_max = sum(nch), max(nch, default=0)
+    first = torch.tensor([0] + nch[:-1], dtype=torch.long).cumsum(0)                 # each sequence's first chunk
+    nch_t, lens_t = torch.tensor(nch, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), nch_t)                   # [M] sequence of each chunk
+    idx = torch.arange(m) - first[seq]                                              # [M] chunk index in its sequence
+    slot = idx[:, None] * c + torch.arange(c)[None, :]                              # [M, c] offset in the sequence
+    starts = cu_seqlens[:-1].cpu().long()
+    tok = torch.where(slot < lens_t[seq][:, None], starts[seq][:, None] + slot, total).reshape(-1)
+    cols = torch.arange(n_max)
+    grid = torch.where(cols[None, :] < nch_t[:, None], first[:, None] + cols[None, :], m)
+    back = torch.empty(total, dtype=torch.long)
+    real = tok < total
+    back[tok[real]] = torch.arange(m * c)[real]
+    place = seq * n_max + idx
+    return tuple(t.to(device, non_blocking=True) for t in (tok, grid, back, place)) + (lens,)
+
+
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
               use_qk_l2norm_in_kernel=False, chunk_size=16):
     """Chunked (UT transform) form. The pairwise per-channel decays are a [C, C, K] tensor per chunk, so
@@ -57,16 +84,34 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         (I + A) U = beta*V - diag(beta) (K * e^G) S_0,   A[t,s] = beta_t sum_c k_t[c] k_s[c] e^{G_t[c]-G_s[c]} (s < t)
     and then
         o_t = (q_t * e^{G_t})^T S_0 + sum_{s<=t} (q_t . (e^{G_t - G_s} * k_s)) u_s
-        S_C = e^{G_C} * S_0 + sum_s (e^{G_C - G_s} * k_s) u_s^T."""
+        S_C = e^{G_C} * S_0 + sum_s (e^{G_C - G_s} * k_s) u_s^T.
+    Varlen (cu_seqlens): every sequence's chunks side by side (_chunk_layout), the per-chunk terms computed once for
+    all of them, the chunk states walked on a [N, n_max] grid whose cells past a sequence's end are identity maps."""
     dtype = v.dtype
-    if cu_seqlens is not None:
-        (q, k, v, g, beta), lens = _pad_varlen((q, k, v, g, beta), cu_seqlens)
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    b, t, h, dv = v.shape
-    dk, c = k.shape[-1], chunk_size
-    pad = (-t) % c
-    q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(b, h, -1, c, x.shape[-1]) for x in (q, k, v, g))
-    beta = F.pad(beta, (0, 0, 0, pad)).transpose(1, 2).reshape(b, h, -1, c)
+    dk, dv, c = k.shape[-1], v.shape[-1], chunk_size
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError("varlen inputs must be packed as a batch of one")
+        tok, grid, back, place, lens = _chunk_layout(cu_seqlens, c, q.device)
+        n_seq, m = len(lens), tok.shape[0] // c
+        if m == 0:                  # no tokens: nothing written, every state as it entered
+            s0 = q.new_zeros(n_seq, q.shape[2], dk, dv) if initial_state is None else initial_state.float()
+            return v.new_zeros(v.shape).to(dtype), (s0 if output_final_state else None)
+
+        def chunks(x):              # [1, T, H, *] -> [1, H, M, C, *] (pad slots: zero rows, inert: see _pad_varlen)
+            xz = torch.cat([x[0], x.new_zeros((1,) + tuple(x.shape[2:]))])[tok]
+            return xz.reshape(m, c, *x.shape[2:]).movedim(2, 0)[None]
+
+        h = q.shape[2]
+        q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+        b = 1
+    else:
+        b, t, h = v.shape[:3]
+        pad = (-t) % c
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(b, h, -1, c, x.shape[-1])
+                      for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad)).transpose(1, 2).reshape(b, h, -1, c)
     G = g.cumsum(-2)                                             # [B, H, n, C, K]
     lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     strict = lower.tril(-1)
@@ -81,10 +126,20 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     q_decay = q * G.exp()
     k_tail = k * (G[..., -1:, :] - G).exp()
     chunk_decay = G[..., -1, :].exp()                            # [B, H, n, K]
-    s0 = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
-    starts, s = chunk_state_pass(u0, w, k_tail, chunk_decay, s0)
-    o = q_decay @ starts + qk @ (u0 - w @ starts)
-    o = o.reshape(b, h, -1, dv)[:, :, :t].transpose(1, 2)
-    if cu_seqlens is not None:
-        o = _unpad(o, lens)
+    if cu_seqlens is None:
+        s0 = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+        starts, s = chunk_state_pass(u0, w, k_tail, chunk_decay, s0)
+        o = q_decay @ starts + qk @ (u0 - w @ starts)
+        o = o.reshape(b, h, -1, dv)[:, :, :t].transpose(1, 2)
+        return o.to(dtype), (s if output_final_state else None)
+
+    def on_grid(x, fill):           # [1, H, M, *] -> [N, H, n_max, *], cells past a sequence's end `fill`
+        xz = torch.cat([x[0], torch.full_like(x[0, :, :1], fill)], dim=1)[:, grid]       # [H, N, n_max, *]
+        return xz.transpose(0, 1)
+
+    s0 = q.new_zeros(n_seq, h, dk, dv) if initial_state is None else initial_state.float()
+    starts, s = chunk_state_pass(on_grid(u0, 0.0), on_grid(w, 0.0), on_grid(k_tail, 0.0), on_grid(chunk_decay, 1.0), s0)
+    starts = starts.transpose(0, 1).reshape(h, -1, dk, dv)[:, place][None]             # [1, H, M, K, V]
+    o = q_decay @ starts + qk @ (u0 - w @ starts)                                       # [1, H, M, C, V]
+    o = o[0].reshape(h, m * c, dv)[:, back].transpose(0, 1)[None]                       # [1, T, H, V]
     return o.to(dtype), (s if output_final_state else None)
