@@ -235,18 +235,34 @@ def main():
         seam = int(rng.choice(seams))
         losses = {}
         opt.zero_grad(set_to_none=True)
-        if n_pic:
-            lp = example_loss(model, exs[:n_pic], "pic", seam, args.device)
-            (lp * n_pic / len(exs)).backward()
-            losses["pic"] = round(lp.item(), 4)
-        if n_pic < len(exs):
-            lf = example_loss(model, exs[n_pic:], "full", seam, args.device)
-            (lf * (len(exs) - n_pic) / len(exs)).backward()
-            losses["full"] = round(lf.item(), 4)
+        try:
+            if n_pic:
+                lp = example_loss(model, exs[:n_pic], "pic", seam, args.device)
+                (lp * n_pic / len(exs)).backward()
+                losses["pic"] = round(lp.item(), 4)
+            if n_pic < len(exs):
+                lf = example_loss(model, exs[n_pic:], "full", seam, args.device)
+                (lf * (len(exs) - n_pic) / len(exs)).backward()
+                losses["full"] = round(lf.item(), 4)
+        except torch.OutOfMemoryError:
+            # a batch too large for the device: drop this step's gradients, halve the batch, go on (logged)
+            lp = lf = None
+            opt.zero_grad(set_to_none=True)
+            if args.batch <= 1:
+                raise
+            args.batch //= 2
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            rec = {"event": "out_of_memory", "step": step, "batch": args.batch}
+            log.write(json.dumps(rec) + "\n")
+            print(json.dumps(rec), flush=True)
+            continue
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
         rec = {"step": step, "seam": seam, **losses, "gnorm": round(float(gn), 3), "t": round(time.time() - t0, 1)}
+        if torch.cuda.is_available() and (step % 10 == 0 or step <= 3):
+            rec["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         log.write(json.dumps(rec) + "\n")
         log.flush()
         if step % 10 == 0 or step <= 3:
