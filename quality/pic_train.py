@@ -245,13 +245,14 @@ def main():
                 (lf * (len(exs) - n_pic) / len(exs)).backward()
                 losses["full"] = round(lf.item(), 4)
         except torch.OutOfMemoryError:
-            # a batch too large for the device: drop this step's gradients, halve the batch, go on (logged)
+            # a batch too large for the device: drop this step's gradients (and the losses' graphs, so their memory
+            # is freed), halve the batch, go on (logged)
             lp = lf = None
             opt.zero_grad(set_to_none=True)
             if args.batch <= 1:
                 raise
             args.batch //= 2
-            if torch.cuda.is_available():
+            if str(args.device).startswith("cuda"):
                 torch.cuda.empty_cache()
             rec = {"event": "out_of_memory", "step": step, "batch": args.batch}
             log.write(json.dumps(rec) + "\n")
@@ -261,7 +262,7 @@ def main():
         opt.step()
         step += 1
         rec = {"step": step, "seam": seam, **losses, "gnorm": round(float(gn), 3), "t": round(time.time() - t0, 1)}
-        if torch.cuda.is_available() and (step % 10 == 0 or step <= 3):
+        if str(args.device).startswith("cuda") and (step % 10 == 0 or step <= 3):
             rec["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         log.write(json.dumps(rec) + "\n")
         log.flush()
