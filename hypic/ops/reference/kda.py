@@ -52,8 +52,8 @@ def _chunk_layout(cu_seqlens, c: int, device):
     """Index tables that lay a packed varlen batch out as chunks of c tokens, each sequence padded to a multiple of
     c only (not to the longest sequence, as _pad_varlen does: the chunked form's pairwise decays are C x C x K floats
     per chunk, so padding a batch of mixed lengths to the longest multiplies their memory and work by about max / mean;
-    a PIC-tune batch's full pass of 8 sequences, lengths 124-1,226, went from 8.45 to 4.82 GB peak and 57 to 30 s on
-    the CPU). Returns (tok [M * c]: the token at each chunk slot, T for a pad slot (a zero row appended); grid
+    a PIC-tune batch's full pass of 8 sequences, lengths 270-1,226, went from 8.72 to 4.87 GB peak and 41.6 to 21.0 s
+    on the CPU: quality/tune_step_memory.py). Returns (tok [M * c]: the token at each chunk slot, T for a pad slot (a zero row appended); grid
     [N, n_max]: the chunk at each (sequence, chunk index), M (an identity chunk appended) past a sequence's end;
     back [T]: each token's chunk slot; place [M]: each chunk's index in the flattened grid; lens)."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
