@@ -47,15 +47,20 @@ class Example:
     answer: list[bool]          # per query token: it is an answer token (its prediction is scored)
 
 
-def example_loss(model, examples: list[Example], mode: str, seam: int, device) -> torch.Tensor:
-    """Mean cross-entropy of the answer tokens of `examples` under `mode` ("pic" or "full")."""
+def _items_of(model, examples: list[Example], mode: str, seam: int, device):
+    """Each example's batch items under `mode`, and (pic) the isolated entries by (example, document).
+
+    pic    every document longer than the seam prefilled alone (hypic's isolated prefill), then its seam run and
+           its entry applied; shorter ones recomputed whole
+    full   the prompt in one ordinary forward
+    full+  the same forward with each such document split as pic splits it, its part after the seam summarized
+           in context: the run's captures are what isolated prefill would have to cache for `pic` to equal
+           `full` (the zero-start T, S and conv tail computed from the in-context inputs, and the raw K / V)"""
     from hypic.cache.entry import SegmentKey
     from hypic.plan.planner import SegmentSlot
     from hypic.prefill.isolated import prefill_segments
-    from hypic.runtime.batch import BatchBuilder
-    from hypic.runtime.state import SeqState
 
-    items_of = []
+    items_of, entries = [], {}
     if mode == "pic":
         # the engine's isolated prefill, run through the differentiable forward: documents within the seam
         # have nothing to cache and are recomputed whole below
@@ -71,13 +76,32 @@ def example_loss(model, examples: list[Example], mode: str, seam: int, device) -
     elif mode == "full":
         for ex in examples:
             items_of.append([("run", list(ex.prefix) + [t for doc in ex.docs for t in doc] + list(ex.query))])
+    elif mode == "full+":
+        for ex in examples:
+            items = [("run", list(ex.prefix))] if ex.prefix else []
+            for doc in ex.docs:
+                if seam < len(doc):
+                    items += ([("run", list(doc[:seam]))] if seam else []) + [("run", list(doc[seam:]), {"summarize": True})]
+                else:
+                    items += [("run", list(doc))]
+            items_of.append(items + [("run", list(ex.query))])
     else:
         raise ValueError(mode)
+    return items_of, entries
+
+
+def _answer_loss(model, examples: list[Example], items_of, device):
+    """Mean cross-entropy of the answer tokens, every example's items in one batch; also each example's work
+    (its pieces carry the captures of summarized runs)."""
+    from hypic.runtime.batch import BatchBuilder
+    from hypic.runtime.state import SeqState
+
     b = BatchBuilder(device)
-    rows, gold = [], []
+    rows, gold, works = [], [], []
     for ex, items in zip(examples, items_of):
         cap = sum(len(i[1]) if i[0] == "run" else i[1].length for i in items) + 8
         work = b.add(SeqState(capacity_hint=cap), items, logits="all")
+        works.append(work)
         # every sequence returns logits for all its active rows, so logits rows are flat rows; the row before
         # an answer token predicts it (answers follow their question: that row is a query token, after every
         # composed document)
@@ -87,7 +111,61 @@ def example_loss(model, examples: list[Example], mode: str, seam: int, device) -
                 rows.append(q0 + j - 1)
                 gold.append(tok)
     logits = model.logits(b.build(exact_transition=True, walk="phased"))
-    return F.cross_entropy(logits[torch.tensor(rows, device=logits.device)], torch.tensor(gold, device=logits.device))
+    loss = F.cross_entropy(logits[torch.tensor(rows, device=logits.device)], torch.tensor(gold, device=logits.device))
+    return loss, works
+
+
+def example_loss(model, examples: list[Example], mode: str, seam: int, device) -> torch.Tensor:
+    """Mean cross-entropy of the answer tokens of `examples` under `mode` ("pic" or "full")."""
+    if mode not in ("pic", "full"):
+        raise ValueError(mode)
+    items_of, _ = _items_of(model, examples, mode, seam, device)
+    return _answer_loss(model, examples, items_of, device)[0]
+
+
+def _capture_tensors(cap):
+    """The tensors of one layer's capture that `pic` reads from a cache entry (LinearSummary: T, S, conv tail;
+    AttnKV: raw K, V), in a fixed order."""
+    return [t for _, t in cap.tensors()]
+
+
+# RMS floor of the consistency loss's normaliser: a capture tensor much smaller than this (a long document's T,
+# decayed to ~0) counts its difference against this scale, not its own, so rounding-level values do not dominate
+CONSIST_FLOOR = 1e-2
+
+
+def capture_gap(entries: dict, works: list, examples: list[Example]) -> torch.Tensor:
+    """The consistency loss: for every document `pic` takes from a cache entry and every layer, the relative
+    squared difference between what isolated prefill cached (entries[(example, document)]) and what the same
+    run computes in context (the matching summarized run of the `full+` forward), averaged over (document,
+    layer, tensor). Zero exactly when every entry equals its in-context counterpart, which makes `pic` equal
+    `full` for that prompt. Gradients reach both sides: the in-context side learns to depend less on the
+    documents before it (what isolation cannot see), the isolated side to anticipate it."""
+    terms = []
+    for e, (ex, work) in enumerate(zip(examples, works)):
+        runs = [p for p in work.pieces if getattr(p, "summarize", False)]
+        docs = [d for d in range(len(ex.docs)) if (e, d) in entries]
+        if len(runs) != len(docs):
+            raise RuntimeError(f"example {e}: {len(runs)} summarized runs for {len(docs)} cached documents")
+        for d, run in zip(docs, runs):
+            iso = entries[(e, d)].layers
+            for layer, cap in run.captures.items():
+                for a, b in zip(_capture_tensors(iso[layer]), _capture_tensors(cap)):
+                    a, b = a.float(), b.float()
+                    scale = (a.detach().square().mean() + b.detach().square().mean()) / 2 + CONSIST_FLOOR ** 2
+                    terms.append((a - b).square().mean() / scale)
+    if not terms:
+        return torch.zeros(())
+    return torch.stack(terms).mean()
+
+
+def consistency_losses(model, examples: list[Example], seam: int, device):
+    """(pic answer loss, full answer loss, capture gap) of the same examples, their graphs alive together."""
+    items_p, entries = _items_of(model, examples, "pic", seam, device)
+    lp, _ = _answer_loss(model, examples, items_p, device)
+    items_f, _ = _items_of(model, examples, "full+", seam, device)
+    lf, works = _answer_loss(model, examples, items_f, device)
+    return lp, lf, capture_gap(entries, works, examples)
 
 
 # Documents per `twohop_hard` example: around the 8 of the twohop8 evaluation (the other tasks draw k from
@@ -195,6 +273,9 @@ def main():
     ap.add_argument("--needle-first", type=float, default=0.0,
                     help="share of needles put first in their document (the case isolated prefill hurts most: "
                          "quality/gap_breakdown.py); 0: where the data puts them (~28%% first on needle8)")
+    ap.add_argument("--consist", type=float, default=0.0,
+                    help="weight of the capture-gap loss (capture_gap); > 0: every example runs under both pic and "
+                         "full (--pic-share is then unused) and the step's loss is (pic + full) / 2 + consist x gap")
     ap.add_argument("--max-steps", type=int, default=0,
                     help="stop after N steps, the LR schedule by step (reproducible); 0: by --minutes and time")
     args = ap.parse_args()
@@ -236,18 +317,22 @@ def main():
         losses = {}
         opt.zero_grad(set_to_none=True)
         try:
-            if n_pic:
+            if args.consist > 0:
+                lp, lf, lc = consistency_losses(model, exs, seam, args.device)
+                ((lp + lf) / 2 + args.consist * lc).backward()
+                losses.update(pic=round(lp.item(), 4), full=round(lf.item(), 4), gap=round(lc.item(), 5))
+            elif n_pic:
                 lp = example_loss(model, exs[:n_pic], "pic", seam, args.device)
                 (lp * n_pic / len(exs)).backward()
                 losses["pic"] = round(lp.item(), 4)
-            if n_pic < len(exs):
+            if not args.consist and n_pic < len(exs):
                 lf = example_loss(model, exs[n_pic:], "full", seam, args.device)
                 (lf * (len(exs) - n_pic) / len(exs)).backward()
                 losses["full"] = round(lf.item(), 4)
         except torch.OutOfMemoryError:
             # a batch too large for the device: drop this step's gradients (and the losses' graphs, so their memory
             # is freed), halve the batch, go on (logged)
-            lp = lf = None
+            lp = lf = lc = None
             opt.zero_grad(set_to_none=True)
             if args.batch <= 1:
                 raise

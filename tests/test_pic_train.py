@@ -108,3 +108,46 @@ def test_fast_backend_kernels_step_aside_under_autograd(monkeypatch):
     assert gk.keys() == gr.keys()
     for n in gr:
         torch.testing.assert_close(gk[n], gr[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_capture_gap_is_zero_for_a_first_document_and_positive_after_others(hf_checkpoints, arch):
+    """The consistency loss compares what isolated prefill caches with what the same run computes in context.
+    A document that opens the prompt (no prefix) starts from the zero state in both: its gap is rounding. Behind
+    other documents it is not, and its gradient reaches the model; the answer losses of consistency_losses are
+    example_loss's."""
+    pt = _pic_train()
+    model = LLM(str(hf_checkpoints[arch][1])).engine.model
+    for p in model.parameters():
+        p.requires_grad_(True)
+    docs = [rand_ids(n, 40 + i) for i, n in enumerate((23, 9, 41))]
+    q, a = rand_ids(6, 50), rand_ids(4, 51)
+    alone = [pt.Example([], docs[:1], q + a, [False] * 6 + [True] * 4)]
+    _, _, gap = pt.consistency_losses(model, alone, 4, "cpu")
+    assert gap.item() < 1e-9
+    exs = _examples(pt, 3)
+    lp, lf, gap = pt.consistency_losses(model, exs, 4, "cpu")
+    assert gap.item() > 1e-4
+    assert lp.item() == pytest.approx(pt.example_loss(model, exs, "pic", 4, "cpu").item(), abs=1e-5)
+    assert lf.item() == pytest.approx(pt.example_loss(model, exs, "full", 4, "cpu").item(), abs=1e-5)
+    model.zero_grad(set_to_none=True)
+    gap.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "layers.0." in n and p.grad is not None]
+    assert grads and sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_a_few_consistency_steps_lower_the_capture_gap(hf_checkpoints):
+    pt = _pic_train()
+    model = LLM(str(hf_checkpoints["qwen3_5"][1])).engine.model
+    for p in model.parameters():
+        p.requires_grad_(True)
+    exs = _examples(pt, 5)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gaps = []
+    for _ in range(6):
+        opt.zero_grad(set_to_none=True)
+        _, _, gap = pt.consistency_losses(model, exs, 2, "cpu")
+        gap.backward()
+        opt.step()
+        gaps.append(gap.item())
+    assert gaps[-1] < 0.7 * gaps[0], gaps
