@@ -43,6 +43,26 @@ def test_conv_varlen_equals_reference(lens, width):
     assert torch.equal(w0[0, -1], x[lens[0] - 1])
 
 
+def test_conv_layout_made_in_inference_mode_serves_autograd():
+    """The varlen conv's index tables are cached per layout. A serving forward (inference mode) that makes
+    them first must not leave inference tensors that a later training forward of the same layout (the PIC
+    tune) saves for backward; the gradient equals the reference op's."""
+    g = torch.Generator().manual_seed(7)
+    lens, c, width = [3, 11, 6], 5, 4       # a layout no other test uses: this test makes its tables
+    x, w, b = _rand(sum(lens), c, g=g), _rand(c, width, g=g), _rand(c, g=g)
+    windows = _rand(len(lens), width - 1, c, g=g)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    with torch.inference_mode():
+        fast.causal_conv1d_varlen(x, w, b, windows, cu)
+    grads = []
+    for op in (fast, ref):
+        xg = x.clone().requires_grad_(True)
+        y, _ = op.causal_conv1d_varlen(xg, w, b, windows, cu)
+        y.square().sum().backward()
+        grads.append(xg.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-9, rtol=0)
+
+
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2), (6, 1)])
 def test_attention_equals_reference(h, hkv, monkeypatch):
     g = torch.Generator().manual_seed(h * 10 + hkv)

@@ -251,12 +251,15 @@ _LAYOUTS: dict = {}
 
 def _layout(key, make):
     """Device tensors derived from one varlen layout, made once and reused by every layer of a forward
-    (and by later forwards of the same layout); bounded, cleared when full."""
+    (and by later forwards of the same layout); bounded, cleared when full. Made outside inference mode: a
+    table first made by a serving forward is later an index saved for backward by a training forward (the PIC
+    tune), which an inference tensor cannot be."""
     hit = _LAYOUTS.get(key)
     if hit is None:
         if len(_LAYOUTS) > 512:
             _LAYOUTS.clear()
-        hit = _LAYOUTS[key] = make()
+        with torch.inference_mode(False):
+            hit = _LAYOUTS[key] = make()
     return hit
 
 
