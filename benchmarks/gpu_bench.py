@@ -325,8 +325,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     # variants of the compose pass, side by side: each variant gets its own composer (fixed buffers, its
     # graph captured under its setting), then the requests alternate between the default and the
     # variants, round by round in rotating order, so a drift of the machine touches all alike. Variants:
-    # the runs' transitions factored in the chain scan (runs 27-32) instead of dense; each seam run composed with
-    # the cached segment after it before the scan (pair_runs: 24 chain steps instead of 44); the MoE's grouped GEMMs
+    # the runs' transitions factored in the chain scan (runs 27-32) instead of dense; the MoE's grouped GEMMs
     # instead of the few-rows kernel (before run 33); the norms and the GDN gate unfused, the routing and the
     # sort by PyTorch ops (before run 38); the graph in one piece; a one-layer first piece. With
     # --all-variants also those decided before: the runs' outputs corrected after the scan instead of inside
@@ -348,7 +347,6 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     nop = contextlib.nullcontext
     variants = [("default", nop, {}),
                 ("runs_T_factored", flag(_linear, "RUN_FACTORS", True), {}),          # the default of runs 27-32
-                ("pair_runs", flag(_linear, "PAIR_RUNS", True), {}),                  # new: seam runs paired
                 ("moe_grouped_mm", flag(_fast, "MOE_FEW_ROWS", False), {}),           # before run 33
                 ("norms_unfused", flag(_fast, "FUSED_NORMS", False), {}),             # before run 38
                 ("route_by_torch", flag(_fast, "ROUTE_KERNELS", False), {}),          # before run 38

@@ -13,9 +13,7 @@ The warm `pic` request's chain per linear layer: 20 seam runs of 8 tokens, each 
                  [T_e S_r + S_e | T_e T_r] (`pair_maps`: one batched fp32 product per layer, timed apart), so the
                  chain is 24 steps of the dense default's run step (44 -> 24) with the kernel unchanged; the row's
                  time is the scan alone, `pair_us` the product (the fourteenth session's `pairs` composed them inside
-                 the step instead and lost to its register pressure). The pairs are also made by the engine's kernel
-                 (ops/triton_scan.pair_maps, tf32x3 tiles, layers/linear.py PAIR_RUNS) in a few tile configurations,
-                 each checked against the fp32 product (1e-5) and timed
+                 the step instead and lost to its register pressure)
 
 (Runs 54-55 also timed, at git 4a0a8c6, a seam run and the segment after it as one step and the state held
 transposed: both slower, removed; their rows are in benchmarks/results/gpu/scan_bench_run5{4,5}.json.)
@@ -139,29 +137,6 @@ def main():
     paired = pair_maps(c)
     pair_t = launch_times(lambda: pair_maps(c, paired), args.reps, dev.type == "cuda")
     print(f"pair_maps: {pair_t['us']:.1f} us (min {pair_t['us_min']:.1f}) per layer", flush=True)
-    # the same pairs by the engine's kernel (ops/triton_scan.pair_maps: tf32x3 tiles, maps read by address, as the
-    # compose pass's PAIR_RUNS runs it), per tile configuration (rows, columns, reduction block, warps)
-    sz = H * K * (V + K) * 4
-    ptab = torch.tensor([[c["T"][i].data_ptr(), c["S"][i].data_ptr(), i * sz, i * sz, 0, 0] for i in range(E)],
-                        dtype=torch.int64, device=dev)
-    pk = torch.zeros_like(c["dense"][:E])
-    kernel_rows = []
-    for pcfg in ((64, 64, 32, 4), (128, 64, 32, 8), (64, 128, 32, 8), (128, 128, 32, 8), (64, 64, 64, 4)):
-        prow = dict(config=list(pcfg))
-        try:
-            ts.pair_maps(ptab, c["dense"], pk, config=pcfg)
-        except Exception as err:                        # (resources: that configuration cannot be built)
-            prow["error"] = f"{type(err).__name__}: {err}"[:200]
-            kernel_rows.append(prow)
-            print(f"pair kernel {pcfg}: not built ({prow['error'][:80]})", flush=True)
-            continue
-        prow["rel"] = rel(pk, paired[:E].double())
-        prow.update(launch_times(lambda: ts.pair_maps(ptab, c["dense"], pk, config=pcfg), args.reps,
-                                 dev.type == "cuda"), ok=prow["rel"] < 1e-5)
-        kernel_rows.append(prow)
-        print(f"pair kernel {pcfg}: {prow['us']:.1f} us (min {prow['us_min']:.1f}); rel to fp32 {prow['rel']:.1e}"
-              f"{'' if prow['ok'] else '  WRONG'}", flush=True)
-    pair_kernel_us = min((r["us"] for r in kernel_rows if r.get("ok")), default=None)
     rows, t_start = [], time.time()
     for form, cfgs in forms.items():
         if any(r.get("fault") for r in rows):          # the CUDA context is lost: nothing more can run
@@ -206,16 +181,13 @@ def main():
             print(f"| {r['form']} | {tuple(r['config'])} | {r['steps']} | not built: {r['error'][:60]} | | | |")
     best = {f: min((r["us"] for r in rows if r["form"] == f and r.get("ok")), default=None) for f in forms}
     print("best per form (us):", best, f"({time.time() - t_start:.0f} s); prepaired + pair_maps:",
-          None if best.get("prepaired") is None else round(best["prepaired"] + pair_t["us"], 1),
-          "; prepaired + pair kernel:", None if best.get("prepaired") is None or pair_kernel_us is None
-          else round(best["prepaired"] + pair_kernel_us, 1))
+          None if best.get("prepaired") is None else round(best["prepaired"] + pair_t["us"], 1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)"
     (out / "scan_bench.json").write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), device=name,
                                                           torch=torch.__version__, rows=rows, best=best,
-                                                          pair_maps_us=pair_t["us"], pair_kernel=kernel_rows,
-                                                          pair_kernel_us=pair_kernel_us), indent=1))
+                                                          pair_maps_us=pair_t["us"]), indent=1))
 
 
 if __name__ == "__main__":

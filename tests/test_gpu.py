@@ -212,20 +212,6 @@ def test_triton_scan_steps_matches_fp64():
                 assert rel(f1, f0) < 1e-5 and rel(b1[E:], b0[E:]) < 1e-5, cfg
     defaults = {triton_scan._default(1, H, V, init.device) + (c,) for c in (False, True)}
     assert defaults <= {cfg + (c,) for cfg, c in built}           # the untuned default always builds
-    # each seam run composed with the cached map after it (pair_maps, tf32x3 tiles), then the 24-step chain
-    sz = H * K * (V + K) * 4
-    ptab = torch.tensor([[T[i].data_ptr(), S[i].data_ptr(), i * sz, i * sz, 0, 0] for i in range(E)] + [[0] * 6],
-                        dtype=torch.int64, device="cuda")
-    pairs = torch.zeros(E + 1, H, K, V + K, device="cuda")
-    triton_scan.pair_maps(ptab, runs, pairs)
-    assert rel(pairs[:E], sc.pair_maps_reference(T, S, runs, [(i, i) for i in range(E)])) < 1e-5
-    assert not pairs[E].any()                                       # the pad row: nothing written
-    rows_p = [[i * sz, i * sz, 2, E + i, i * L, L] for i in range(E)] + [r for r in rows[2 * E:]]
-    got = outs.clone()
-    b1, f1 = triton_scan.scan_steps(init, torch.tensor(rows_p, dtype=torch.int64, device="cuda"),
-                                    torch.tensor([0, len(rows_p)], dtype=torch.int32, device="cuda"), runs, E + N,
-                                    outputs=got, max_run=L, pairs=pairs[:E])
-    assert rel(f1, f0) < 1e-5 and rel(got[..., :V], want) < 1e-5
 
 
 @cuda
@@ -606,20 +592,6 @@ assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6
 got = outs.clone()
 triton_scan.scan_steps(init, steps6, cu, runs, E + N, outputs=got, max_run=run_len, bv=16, stages=1)
 assert rel(got[..., :V], want) < 1e-6
-sz = H * K * (V + K) * 4                       # runs 0 and 1 composed with the cached maps after them (pair_maps)
-ptab = torch.tensor([[Ts[0].data_ptr(), Ss[0].data_ptr(), 0, 0, 0, 0],
-                     [Ts[1].data_ptr(), Ss[1].data_ptr(), sz, sz, 0, 0], [0] * 6], dtype=torch.int64)   # row 3: a pad
-pairs = torch.full((3, H, K, V + K), float("nan"))
-triton_scan.pair_maps(ptab, runs, pairs)
-assert rel(pairs[:2], sc.pair_maps_reference(T, S, runs, [(0, 0), (1, 1)])) < 1e-6 and pairs[2].isnan().all()
-steps_p = torch.tensor([[0, 0, 2, 3, 0, run_len], [sz, sz, 2, 4, run_len, run_len], steps6[4].tolist(),
-                        steps6[5].tolist(), steps6[6].tolist()], dtype=torch.int64)   # chains of 3 and 2 steps
-cu_p = torch.tensor([0, 3, 5], dtype=torch.int32)
-got = outs.clone()
-b1, f1 = triton_scan.scan_steps(init, steps_p, cu_p, runs, E + N, outputs=got, max_run=run_len, pairs=pairs[:2])
-assert rel(f1, f0) < 1e-6 and rel(got[..., :V], want) < 1e-6
-b1, f1 = triton_scan.scan_steps(init, steps_p[:, :4].contiguous(), cu_p, runs, E + N, pairs=pairs[:2])
-assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6      # a pair's step leaves its run's initial state
 from hypic.ops import triton_attention
 from hypic.ops.reference import position_attention
 for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):
@@ -814,18 +786,17 @@ out["eager"] = [llm.generate([p], sp)[0] for p in ps]
 from hypic.layers import linear as lin
 from hypic.runtime import compose_graph as cg
 cg.COPY_BY_ADDRESS = True                      # the fill's packing through the copy kernel (default: torch.cat)
-for factored, paired in ((False, False), (True, False), (False, True)):   # the runs' transitions dense [S | T]
-    lin.RUN_FACTORS, lin.PAIR_RUNS = factored, paired                      # (default), factored, or paired
+for factored in (False, True):                 # the runs' transitions dense [S | T] (default) or factored
+    lin.RUN_FACTORS = factored
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
     got = [llm.generate([p], sp)[0] for p in ps]
     bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
     assert getattr(bufs0, "copy_tables", None)                      # the fill went through the copy kernel
     lay0 = bufs0.layers[0]
     assert llm.engine.composer.runs == len(ps) and "steps" in lay0 and lay0.get("factor_width") == (16 if factored else None)
-    assert ("pairs" in lay0) == paired and "pairs" not in fast.FAILED
     for a, b in zip(out["eager"], got):
-        assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4, (factored, paired)
-lin.RUN_FACTORS = lin.PAIR_RUNS = False
+        assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4, factored
+lin.RUN_FACTORS = False
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):

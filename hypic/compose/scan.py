@@ -57,26 +57,15 @@ def scan_dense(init, T, S, cu, order=None, runs=None, runs_only: bool = False):
     return _kernel()(init, T, S, cu, order=order, runs=runs, runs_only=runs_only)
 
 
-def scan_steps(init, steps, cu, runs, slots: int, outputs=None, max_run: int = 16, factors=None, pairs=None):
+def scan_steps(init, steps, cu, runs, slots: int, outputs=None, max_run: int = 16, factors=None):
     """The compose pass's form on CUDA (ops/triton_scan.scan_steps): each chain step's T and S named by
     address in a step table, runs' [S | T] in place (or their S, with their transitions as `factors`:
     reference `run_factors`); `before` written at the runs' slots only, or, given the run summaries'
-    outputs, those corrected in place to the runs' true initial states; `pairs`: the maps of runs composed with
-    the cached map after each (`pair_maps`), named by steps of kind 2. Needs the Triton kernel (`kernel_ready`)."""
+    outputs, those corrected in place to the runs' true initial states. Needs the Triton kernel
+    (`kernel_ready`)."""
     from ..ops.fast import triton_kernel
 
-    return triton_kernel("steps")(init, steps, cu, runs, slots, outputs=outputs, max_run=max_run, factors=factors,
-                                  pairs=pairs)
-
-
-def pair_maps_reference(T: torch.Tensor, S: torch.Tensor, runs: torch.Tensor, pairs: list) -> torch.Tensor:
-    """What ops/triton_scan.pair_maps writes, in fp64: for each (entry e, run r) of `pairs`, the run's map followed
-    by the entry's, [T_e S_r + S_e | T_e T_r] [H, K, V + K]. T [E, H, K, K], S [E, H, K, V], runs [N, H, K, V + K]."""
-    v = S.shape[-1]
-    out = [T[e].double() @ runs[r].double() for e, r in pairs]
-    for o, (e, _) in zip(out, pairs):
-        o[..., :v] += S[e].double()
-    return torch.stack(out) if out else runs.new_zeros((0,) + runs.shape[1:], dtype=torch.float64)
+    return triton_kernel("steps")(init, steps, cu, runs, slots, outputs=outputs, max_run=max_run, factors=factors)
 
 
 def kernel_ready(device) -> bool:
@@ -106,5 +95,5 @@ def stack_dense(maps: list) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([t.t.float() for t, _ in maps]), torch.stack([s.float() for _, s in maps])
 
 
-__all__ = ["scan_chain", "scan_dense", "scan_steps", "scan_dense_reference", "pair_maps_reference", "kernel_ready",
-           "stack_dense", "Form", "Transition"]
+__all__ = ["scan_chain", "scan_dense", "scan_steps", "scan_dense_reference", "kernel_ready", "stack_dense",
+           "Form", "Transition"]

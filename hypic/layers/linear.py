@@ -133,7 +133,6 @@ class LinearMixer(nn.Module):
         """init [2, H, K, V]: the request's initial state, then the pad chain's zero. The cached (T, S):
         an address table where the Triton scan reads them in place (CUDA), else stacked copies."""
         from ..compose.scan import kernel_ready
-        from ..ops.fast import triton_kernel
 
         h, k, v = self.state_shape
         wm1 = self.conv_width - 1
@@ -149,10 +148,6 @@ class LinearMixer(nn.Module):
             buf["keep"] = []
             if RUN_FACTORS and self.factored_runs(shape.lmax):
                 buf["factor_width"] = factor_width(shape.lmax)
-            elif PAIR_RUNS and e and triton_kernel("pairs") is not None:
-                # the pairs' maps: one buffer for the layers of this state shape (they run one after another)
-                buf["pairs"] = shared.setdefault(("pairs", self.state_shape),
-                                                 torch.zeros(e, h, k, v + k, device=device))
         else:
             buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))
         return buf
@@ -202,19 +197,10 @@ class LinearMixer(nn.Module):
                 addr[i] = a
             buf["keep"], buf["parts"] = keep, parts
             rows = buf["steps_host"].numpy()
-            paired = "pairs" in buf
-            is_run, off_t, off_s, ent, rest, pairs = self._step_columns(low, buf.get("factor_width"), paired)
-            m = len(is_run)
-            rows[:m, 0] = np.where(is_run, off_t, addr[ent, 0])
-            rows[:m, 1] = np.where(is_run, off_s, addr[ent, 1])
-            rows[:m, 2:] = rest
-            if paired:                  # the pair table after the steps' rows: (T_e, S_e, run offset, pair offset)
-                p_ent, p_run, p_off = pairs
-                pt = rows[e + low.shape.runs:]
-                n = len(p_ent)
-                pt[:n, 0], pt[:n, 1] = addr[p_ent, 0], addr[p_ent, 1]
-                pt[:n, 2], pt[:n, 3], pt[:n, 4:] = p_run, p_off, 0
-                pt[n:] = 0                                                    # pads: skipped by the kernel
+            is_run, off_t, off_s, ent, rest = self._step_columns(low, buf.get("factor_width"))
+            rows[:, 0] = np.where(is_run, off_t, addr[ent, 0])
+            rows[:, 1] = np.where(is_run, off_s, addr[ent, 1])
+            rows[:, 2:] = rest
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
@@ -232,14 +218,11 @@ class LinearMixer(nn.Module):
                          for p, (_, n) in zip(parts, low.tail_rows) if n]
                 torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
 
-    def _step_columns(self, low, width: int | None, paired: bool = False):
+    def _step_columns(self, low, width: int | None):
         """The step table's columns every layer of this state shape shares, made once per request: is_run,
         each run's byte offsets (of its [S | T]; or, with factors of `width` rows, of its factors and of its S),
-        each cached map's entry index, (kind, slot, first token, tokens), and the pairs (None unless paired).
-        paired (dense runs): each run that a cached map follows in the request's chain is one step with it, kind 2,
-        its offsets those of its pair's map; pairs = (entry, run byte offset, pair byte offset) per pair, in chain
-        order (the lowering's `cu_pair` counts the steps that are left)."""
-        key = ("steps", self.state_shape, width, paired)
+        each cached map's entry index, and (is_run, slot, first token, tokens)."""
+        key = ("steps", self.state_shape, width)
         hit = low.memo.get(key)
         if hit is None:
             h, k, v = self.state_shape
@@ -248,26 +231,13 @@ class LinearMixer(nn.Module):
             is_run = order >= e
             ri = np.maximum(order - e, 0)                                  # run index (0 for cached maps)
             cu = low.tables["cu"].numpy()                                 # each run's tokens (for the correction)
-            kind = is_run.astype(np.int64)
-            pairs = None
+            rest = np.stack([is_run.astype(np.int64), order, np.where(is_run, cu[ri], 0),
+                             np.where(is_run, cu[ri + 1] - cu[ri], 0)], axis=1)
             if width is None:
                 off_t = off_s = ri * (h * k * (v + k) * 4)
             else:
                 off_t, off_s = ri * (h * (2 * width + 1) * k * 4), ri * (h * k * v * 4)
-            if paired:
-                first = low.pair_first                                          # a run, then a cached map
-                size = h * k * (v + k) * 4
-                pairs = (order[first + 1], off_t[first], np.arange(len(first), dtype=np.int64) * size)
-                kind[first] = 2
-                off_t = off_t.copy()
-                off_t[first] = pairs[2]
-                keep = np.ones(len(order), dtype=bool)
-                keep[first + 1] = False                                         # the paired maps: no step of their own
-                order, is_run, ri, kind, off_t = order[keep], is_run[keep], ri[keep], kind[keep], off_t[keep]
-                off_s = off_t
-            rest = np.stack([kind, order, np.where(is_run, cu[ri], 0), np.where(is_run, cu[ri + 1] - cu[ri], 0)],
-                            axis=1)
-            hit = low.memo[key] = (is_run, off_t, off_s, np.minimum(order, e - 1), rest, pairs)
+            hit = low.memo[key] = (is_run, off_t, off_s, np.minimum(order, e - 1), rest)
         return hit
 
     def _forward_captured(self, x, f, batch):
@@ -310,17 +280,7 @@ class LinearMixer(nn.Module):
         # the chain: entries' (T, S) from their slots, the runs' maps read where the kernel wrote them
         runs, factors = maps[0].float().contiguous(), (maps[1] if factored else None)
         final = None
-        pairs, rows_ok = buf.get("pairs"), True
-        if pairs is not None:
-            # PAIR_RUNS: each seam run and the cached map after it as one map (one launch), so the chain below walks
-            # a step per pair; the pair table lies after the steps' rows (compose_fill)
-            try:
-                triton_kernel("pairs")(buf["steps"][e + sh.runs :], runs, pairs)
-            except Exception as err:  # this pass through the stacked maps (the rows are paired), later ones unpaired
-                kernel_failed("pairs", err)
-                del buf["pairs"]
-                pairs, rows_ok = None, False
-        if "steps" in buf and rows_ok and triton_kernel("steps") is not None:
+        if "steps" in buf and triton_kernel("steps") is not None:
             # FUSE_CORRECTION: the scan corrects the runs' outputs in place as it reaches each run (its initial
             # state in registers; o0 and u are the two column ranges of the summary's [N, H, V + K] outputs);
             # else it writes the runs' initial states and `_corrected` applies them (gpu_bench times both)
@@ -333,9 +293,8 @@ class LinearMixer(nn.Module):
             # request's chain alone (the pad chain's 128 programs took half the SMs of the first wave, H200 run 34)
             chains = 1 if fused else 2
             try:
-                cu = c.cu_pair if pairs is not None else c.cu_maps
-                before, final = scan_steps(buf["init"][:chains], buf["steps"], cu[: chains + 1], runs,
-                                           e + sh.runs, outputs=full, max_run=sh.lmax, factors=factors, pairs=pairs)
+                before, final = scan_steps(buf["init"][:chains], buf["steps"], c.cu_maps[: chains + 1], runs,
+                                           e + sh.runs, outputs=full, max_run=sh.lmax, factors=factors)
             except Exception as err:  # the maps stacked from now on (eager)
                 kernel_failed("steps", err)
             else:
@@ -775,12 +734,6 @@ FUSE_CORRECTION = True             # the compose pass's step-table scan corrects
 # measured in runs 53-54 and removed: 447 us per chain against 352 in isolation, +0.81 ms on the warm request; the
 # step spills 170-250 values at 255 registers. Code at git 4a0a8c6.)
 RUN_FACTORS = False
-# each seam run composed with the cached segment after it before the scan (ops/triton_scan.pair_maps, one launch per
-# layer), so the chain walks one step per pair: 24 steps instead of 44 on the 35B request. H200 run 59
-# (benchmarks/scan_bench.py): the 24-step chain 230 us against the 44-step one's 364, the pairs by cuBLAS in fp32 222
-# us; H200 run 63: the pair kernel (tf32x3 tiles) 400 us per layer at its best tile, and gpu_bench's `pair_runs`
-# +15.06 ms on the warm request against the default (docs/benchmarks.md "run 63"): off.
-PAIR_RUNS = False
 
 
 def _chained(batch) -> bool:

@@ -144,7 +144,6 @@ def gdn_gate(a, a_log, dt_bias):
 _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": ("triton_summary", "summary"),
             "chunk_summary": ("triton_summary", "chunk_summary"),
             "conv": ("triton_conv", "gathered_conv"), "steps": ("triton_scan", "scan_steps"),
-            "pairs": ("triton_scan", "pair_maps"),
             "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows"),
             "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert"),
             "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention"),

@@ -143,18 +143,17 @@ def _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K: tl.constexpr, V:
 
 
 @triton.jit
-def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
-                off_at, off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
+def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk, off_at,
+                off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
                 CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr,
                 SPLIT: tl.constexpr = False):
     """Step j of a chain described by its row of `steps` (W int64 columns): T address or run offset,
     S address or run offset, is_run, slot[, first token, tokens]. A run's [S | T] lies in A (address
-    a_addr) at that byte offset (is_run 2: a run composed with the cached map after it, `pair_maps`: its
-    [T_e S_r + S_e | T_e T_r] at that byte offset from p_addr, corrected as the run); with FACTORS its S [H, K, V]
-    lies there and its transition's factors [H, 2 BF + 1, K] (Kd, W, gamma: T = gamma I - Kd^T W) at the first
-    offset from f_addr, and the step is x <- gamma x - Kd^T (W x) + S. Without CORRECT, before[slot] <- x for
-    runs; with it, the run's tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's
-    [N, H, V + K] outputs, u_t its last K columns), x being the run's true initial state.
+    a_addr) at that byte offset; with FACTORS its S [H, K, V] lies there and its transition's factors
+    [H, 2 BF + 1, K] (Kd, W, gamma: T = gamma I - Kd^T W) at the first offset from f_addr, and the step is
+    x <- gamma x - Kd^T (W x) + S. Without CORRECT, before[slot] <- x for runs; with it, the run's
+    tokens' outputs are corrected in place instead: o_t += x^T u_t (ou: the summary's [N, H, V + K]
+    outputs, u_t its last K columns), x being the run's true initial state.
     The step's loads (S; T or its factors; the correction's u and o) are issued together before any product:
     a loaded value is used only after the last load is issued (H200 runs 33-36: 1.2 ms faster on the warm
     request than loads in the order of use, with dense runs). A masked load whose mask is off reads nothing,
@@ -162,8 +161,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, 
     row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
-    kind = tl.load(row + 2)                 # 0 a cached map, 1 a run, 2 a run paired with the map after it
-    is_run = kind != 0
+    is_run = tl.load(row + 2) != 0
     base = tl.where(is_run, a_addr, 0)
     if FACTORS:
         sp = (sv + base).to(tl.pointer_type(tl.float32))
@@ -180,8 +178,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, 
             tlp = tl.load(row + 6).to(tl.pointer_type(tl.float32))
             t_lo = tl.load(tlp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
     else:
-        t, s = _dense_map(tv, sv, is_run, tl.where(kind == 2, p_addr, a_addr), h, off_kk, off_kv, off_at, off_as,
-                          m_kv, m_kk, K, V, EVEN)
+        t, s = _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
     if CORRECT:
         uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
         u = tl.load(uptr, mask=mu, other=0.0)
@@ -209,7 +206,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, 
 
 
 @triton.jit
-def _scan_steps_kernel(init, steps, a_addr, f_addr, p_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
+def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                        STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
                        FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr = False):
@@ -231,13 +228,13 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, p_addr, before, final, cu, o
     j1 = tl.load(cu + r + 1)
     if STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
-            x = _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk,
-                            off_kk, off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
+            x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
     else:
         j = j0
         while j < j1:
-            x = _chain_step(x, j, steps, a_addr, f_addr, p_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk,
-                            off_kk, off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
+            x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
+                            off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
@@ -327,8 +324,8 @@ def split_tf32(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
                outputs: torch.Tensor | None = None, max_run: int = 16, factors: torch.Tensor | None = None,
-               split: bool = False, pairs: torch.Tensor | None = None, bv: int | None = None,
-               warps: int | None = None, stages: int | None = None, tune: bool = True, precision: str = "tf32x3"):
+               split: bool = False, bv: int | None = None, warps: int | None = None, stages: int | None = None,
+               tune: bool = True, precision: str = "tf32x3"):
     """The compose pass's form: chains described step by step, no map copied.
 
     init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
@@ -346,9 +343,6 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     (column 0) naming T's tf32 part and column 6 the rest, and its step is three tf32 products of those with the
     state's two parts, so no split of T happens in the step and both parts can feed the products from shared memory
     (an experiment: benchmarks/scan_bench.py `split`; no cache keeps split maps).
-    pairs (optional, dense runs only) [P, H, K, V + K] fp32 contiguous: maps `pair_maps` wrote, each a run composed
-    with the cached map after it; a row (byte offset, byte offset, 2, slot[, first token, tokens]) is one step
-    that applies such a pair (read from pairs at that offset) and corrects its run like a run's row.
     Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
     r, h, k, v = init.shape
     init = init.float().contiguous()
@@ -361,9 +355,6 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         if not (factors.is_contiguous() and factors.dtype == torch.float32 and factors.shape[-1] == k
                 and factors.shape[-2] == 2 * bf + 1 and bf >= 16):
             raise ValueError("factors must be fp32, contiguous, [N, H, 2 w + 1, K] with w >= 16")
-    if pairs is not None and (factors is not None or not pairs.is_contiguous() or pairs.dtype != torch.float32
-                              or pairs.shape[1:] != (h, k, v + k)):
-        raise ValueError("pairs must be fp32, contiguous, [P, H, K, V + K], with dense runs")
     if split and (factors is None or steps.shape[1] < 7):
         raise ValueError("split needs factors and a step table of at least 7 columns")
     correct = outputs is not None
@@ -375,7 +366,6 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     bk = max(16, triton.next_power_of_2(k))
     a_addr = runs.data_ptr()
     f_addr = factors.data_ptr() if factors is not None else 0
-    p_addr = pairs.data_ptr() if pairs is not None else 0
     ou = outputs if correct else final
     s_ot, s_oh = (outputs.stride(0), outputs.stride(1)) if correct else (0, 0)
 
@@ -384,8 +374,8 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     def launch(cfg, _o=ou):
         b, w, st = cfg
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-            init, steps, a_addr, f_addr, p_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b,
-            PREC=precision, STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
+            init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
+            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
             EVEN=bk == k and v % b == 0, SPLIT=split, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
@@ -406,69 +396,3 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         cfg = _tuned((form + "+correct", r, h, k, v, precision), init.device, trial, cfg, final)
     launch(cfg)
     return before, final
-
-
-@triton.jit
-def _pair_kernel(table, a_addr, p_addr, W: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """Tile (rows BM, columns BN) of pair i's map for head h: T_e [S_r | T_r] + [S_e | 0], i.e. the run's map r
-    followed by the cached map e, as one map [T_e S_r + S_e | T_e T_r]. Row i of the table (W int64 columns): T_e's
-    address, S_e's address, the run's byte offset from a_addr, the pair's byte offset from p_addr; a row whose T
-    address is 0 is a pad (nothing read or written)."""
-    tile = tl.program_id(0)         # a (pair, head)'s tiles one after another: its T_e and run are read from L2
-    h = tl.program_id(1)
-    i = tl.program_id(2)
-    NN: tl.constexpr = (V + K + BN - 1) // BN
-    rm = (tile // NN) * BM + tl.arange(0, BM)
-    rn = (tile % NN) * BN + tl.arange(0, BN)
-    row = table + i.to(tl.int64) * W
-    ta = tl.load(row)
-    if ta != 0:
-        sa = tl.load(row + 1)
-        ro = tl.load(row + 2)
-        po = tl.load(row + 3)
-        mm = rm < K
-        mn = rn < V + K
-        tp = ta.to(tl.pointer_type(tl.float32)) + h * (K * K)
-        rp = (a_addr + ro).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            mk = rk < K
-            t = tl.load(tp + rm[:, None] * K + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
-            r = tl.load(rp + rk[:, None] * (V + K) + rn[None, :], mask=mk[:, None] & mn[None, :], other=0.0)
-            acc = tl.dot(t, r, acc, input_precision=PREC)
-        sp = sa.to(tl.pointer_type(tl.float32)) + h * (K * V)
-        acc += tl.load(sp + rm[:, None] * V + rn[None, :], mask=mm[:, None] & (rn < V)[None, :], other=0.0)
-        op = (p_addr + po).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
-        tl.store(op + rm[:, None] * (V + K) + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
-
-
-# (rows, columns, reduction block, warps) of a pair tile: 4 x 4 tiles per (pair, head) at K = V = 128, 2,560
-# programs for the 35B request's 20 pairs x 32 heads; every product fp32-accurate (tf32x3), as the chain's
-PAIR_CONFIG = (64, 64, 32, 4)
-
-
-def pair_maps(table: torch.Tensor, runs: torch.Tensor, pairs: torch.Tensor, *, config: tuple | None = None,
-              precision: str = "tf32x3") -> torch.Tensor:
-    """Each seam run composed with the cached segment after it, before the chain scan (one launch per layer), so
-    the scan walks one step per pair instead of two (`scan_steps(pairs=)`; benchmarks/scan_bench.py `prepaired`:
-    24 steps for the 35B request's 44).
-
-    table [P, W >= 4] int64 (device): row i = (T_e address, S_e address, the run's byte offset in runs, the pair's
-    byte offset in pairs), T_e [H, K, K] and S_e [H, K, V] fp32 contiguous (a cached segment's own tensors); rows
-    whose T address is 0 are pads. runs [N, H, K, V + K] fp32 contiguous: the runs' [S_r | T_r]. Writes
-    [T_e S_r + S_e | T_e T_r] into pairs [P', H, K, V + K] (fp32 contiguous) at each row's offset; returns pairs."""
-    n, h, k, vk = runs.shape
-    if not (runs.is_contiguous() and runs.dtype == torch.float32 and pairs.is_contiguous()
-            and pairs.dtype == torch.float32 and pairs.shape[1:] == runs.shape[1:]):
-        raise ValueError("runs and pairs must be fp32, contiguous, [*, H, K, V + K]")
-    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] < 4 or table.stride(1) != 1:
-        raise ValueError("table must be int64 [P, >= 4] with contiguous rows")
-    if table.shape[0] == 0:
-        return pairs
-    bm, bn, bk, w = config or PAIR_CONFIG
-    grid = (triton.cdiv(k, bm) * triton.cdiv(vk, bn), h, table.shape[0])
-    _pair_kernel[grid](table, runs.data_ptr(), pairs.data_ptr(), W=table.stride(0), H=h, K=k, V=vk - k, BM=bm, BN=bn,
-                       BK=bk, PREC=precision, num_warps=w)
-    return pairs

@@ -15,9 +15,7 @@ once, on the host, to device tables, and the forward becomes a pure function of 
                scan a run's T in factored form, rank <= 16: layers/linear.py RUN_FACTORS); order [E + R] lists
                the slots in sequence order, then the pad runs as a second chain from zero (cu_maps
                [0, E + R_real, E + R]): the first chain's final state is the request's, and every
-               pad run gets a finite initial state without lengthening the request's chain; cu_pair: the
-               same chains' step counts where each run that a cached map follows is one step with it
-               (layers/linear.py PAIR_RUNS)
+               pad run gets a finite initial state without lengthening the request's chain
     conv       one source buffer per linear layer: the initial window, the entries' tails packed,
                then the active raw inputs; conv_idx [Np, W] names each token's W inputs in it
     linear     the initial state [1, H, K, V] (the request's, after a cached prefix; else zero)
@@ -99,7 +97,6 @@ class Lowered:
     entries: list               # the Apply pieces' entries, storage order
     tail_rows: list             # rows each entry's tail occupies in the conv source (per linear layer: same)
     kmask: torch.Tensor         # the mask position of every key (host only: kperm and qlast are made from it)
-    pair_first: np.ndarray      # chain steps j (request's chain) of a run that a cached map follows (cu_pair's pairs)
     memo: dict = field(default_factory=dict)   # what the layers of one kind derive alike from the tables
 
 
@@ -132,10 +129,6 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
             order.append(e + ri)
             ri += 1
     main = len(order)                                # the request's chain; the pad runs: a second one
-    # the chain's steps with each run that a cached map follows composed with that map (layers/linear.py PAIR_RUNS)
-    run_at = np.asarray(order, dtype=np.int64) >= e
-    pair_first = np.flatnonzero(run_at[:-1] & ~run_at[1:])
-    paired = len(pair_first)
     order.extend(range(e + ri, e + r))
     shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax)
 
@@ -217,13 +210,11 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     t = torch.from_numpy
     tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), cu=t(cu),
                   cu_maps=torch.tensor([0, main, main + r - ri], dtype=torch.int32),
-                  cu_pair=torch.tensor([0, main - paired, main - paired + r - ri], dtype=torch.int32),
                   order=torch.tensor(order, dtype=torch.int32),
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
         tables.update(conv_idx=t(conv_idx), window=t(window))
-    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask),
-                   pair_first)
+    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask))
 
 
 
@@ -305,7 +296,7 @@ class ComposeBuffers:
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.ids, self.positions, self.logits_index = z(np_), z(np_), z(1)
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
-        self.cu_maps, self.cu_pair, self.order = z(3, dt=torch.int32), z(3, dt=torch.int32), z(e + r, dt=torch.int32)
+        self.cu_maps, self.order = z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
         self.kpos, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(np_)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
@@ -325,7 +316,7 @@ class ComposeBuffers:
         for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
                                         "kperm", "qlast"] + (["conv_idx", "window"] if self.conv_idx is not None
                                                              else [])),
-                          (torch.int32, ["cu_maps", "cu_pair", "order"])):
+                          (torch.int32, ["cu_maps", "order"])):
             sizes = [getattr(self, nm).numel() for nm in names]
             dev = torch.zeros(sum(sizes), dtype=dt, device=device)
             host = torch.zeros(sum(sizes), dtype=dt, pin_memory=cuda)
@@ -341,9 +332,8 @@ class ComposeBuffers:
         self.steps = None
         users = shared.get("steps", [])
         if users:
-            # (rows E + R .. 2 E + R - 1: the pair table of a layer whose runs are paired, linear.PAIR_RUNS)
-            host = torch.zeros(len(users), 2 * e + r, 6, dtype=torch.long, pin_memory=cuda)
-            dev = torch.zeros(len(users), 2 * e + r, 6, dtype=torch.long, device=device)
+            host = torch.zeros(len(users), e + r, 6, dtype=torch.long, pin_memory=cuda)
+            dev = torch.zeros(len(users), e + r, 6, dtype=torch.long, device=device)
             for i, buf in enumerate(users):
                 buf["steps_host"], buf["steps"] = host[i], dev[i]
             self.steps = (host, dev)
