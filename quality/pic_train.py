@@ -90,15 +90,17 @@ def _items_of(model, examples: list[Example], mode: str, seam: int, device):
     return items_of, entries
 
 
-def _answer_loss(model, examples: list[Example], items_of, device):
-    """Mean cross-entropy of the answer tokens, every example's items in one batch; also each example's work
-    (its pieces carry the captures of summarized runs)."""
+def _answer_loss(model, examples: list[Example], items_of, device, parts: int = 1):
+    """Mean cross-entropy of the answer tokens, every example's items in one batch (one forward); with parts > 1
+    the examples are that many equal groups (the same examples under different modes) and the result is one mean
+    per group. Also each example's work (its pieces carry the captures of summarized runs)."""
     from hypic.runtime.batch import BatchBuilder
     from hypic.runtime.state import SeqState
 
     b = BatchBuilder(device)
-    rows, gold, works = [], [], []
-    for ex, items in zip(examples, items_of):
+    rows, gold, group, works = [], [], [], []
+    per = len(examples) // parts
+    for e, (ex, items) in enumerate(zip(examples, items_of)):
         cap = sum(len(i[1]) if i[0] == "run" else i[1].length for i in items) + 8
         work = b.add(SeqState(capacity_hint=cap), items, logits="all")
         works.append(work)
@@ -110,9 +112,14 @@ def _answer_loss(model, examples: list[Example], items_of, device):
             if is_answer:
                 rows.append(q0 + j - 1)
                 gold.append(tok)
+                group.append(e // per)
     logits = model.logits(b.build(exact_transition=True, walk="phased"))
-    loss = F.cross_entropy(logits[torch.tensor(rows, device=logits.device)], torch.tensor(gold, device=logits.device))
-    return loss, works
+    ce = F.cross_entropy(logits[torch.tensor(rows, device=logits.device)], torch.tensor(gold, device=logits.device),
+                         reduction="none")
+    if parts == 1:
+        return ce.mean(), works
+    group = torch.tensor(group, device=ce.device)
+    return [ce[group == g].mean() for g in range(parts)], works
 
 
 def example_loss(model, examples: list[Example], mode: str, seam: int, device) -> torch.Tensor:
@@ -162,10 +169,11 @@ def capture_gap(entries: dict, works: list, examples: list[Example]) -> torch.Te
 def consistency_losses(model, examples: list[Example], seam: int, device):
     """(pic answer loss, full answer loss, capture gap) of the same examples, their graphs alive together."""
     items_p, entries = _items_of(model, examples, "pic", seam, device)
-    lp, _ = _answer_loss(model, examples, items_p, device)
     items_f, _ = _items_of(model, examples, "full+", seam, device)
-    lf, works = _answer_loss(model, examples, items_f, device)
-    return lp, lf, capture_gap(entries, works, examples)
+    # both modes' sequences in one forward: on the GPU the tune is bound by the count of launched ops (quality/
+    # NOTES.md, fifteenth session), which one batch of 2N sequences keeps at about one forward's
+    (lp, lf), works = _answer_loss(model, examples + examples, items_p + items_f, device, parts=2)
+    return lp, lf, capture_gap(entries, works[len(examples):], examples)
 
 
 # Documents per `twohop_hard` example: around the 8 of the twohop8 evaluation (the other tasks draw k from
