@@ -293,10 +293,13 @@ def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_fina
     """fla's chunk (which=0) or fused recurrent (which=1) kernel on CUDA, else the reference twin. Under
     autograd the reference twin (PyTorch, on the same device): fla 0.6's fused recurrent gated delta rule
     has no backward, and its chunk backward refuses Hopper GPUs with Triton < 3.7.1 (fla issue #640; the
-    H200's Triton is 3.6, H200 run 17)."""
-    kern = _fla() if q.is_cuda and not needs_grad(q, k, v, g, beta, initial_state) else None
+    H200's Triton is 3.6, H200 run 17). Under autograd the chunked twin for either: the recurrent one keeps a
+    [B, H, K, V] state per token for backward, and a PIC-tune batch of short runs (seam windows and documents
+    summarized in context, the state widened by K identity columns) ran the CPU out of 24 GB that way."""
+    grad = needs_grad(q, k, v, g, beta, initial_state)
+    kern = _fla() if q.is_cuda and not grad else None
     if kern is None:
-        fn = (ref.chunk_gated_delta_rule, ref.recurrent_gated_delta_rule)[which]
+        fn = ref.chunk_gated_delta_rule if grad or which == 0 else ref.recurrent_gated_delta_rule
         return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     st = _fla_stages() if which == 0 and CHUNK_BY_STAGES else None
