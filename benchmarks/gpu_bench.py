@@ -327,7 +327,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     # variants, round by round in rotating order, so a drift of the machine touches all alike. Variants:
     # the runs' transitions factored in the chain scan (runs 27-32) instead of dense; the MoE's grouped GEMMs
     # instead of the few-rows kernel (before run 33); the norms and the GDN gate unfused, the routing and the
-    # sort by PyTorch ops (before run 38); the graph in one piece; a one-layer first piece. With
+    # sort by PyTorch ops (before run 38); the attention operands placed and ordered by PyTorch ops (RoPE
+    # products, a copy, two gathers: before run 77); the graph in one piece; a one-layer first piece. With
     # --all-variants also those decided before: the runs' outputs corrected after the scan instead of inside
     # it, the fill by a copy kernel (runs 32-35), the graph in 4 or 16 pieces (run 19 also timed seam runs
     # fused with the segment after them: 68.2 against 64.7 ms, removed)
@@ -350,7 +351,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("moe_grouped_mm", flag(_fast, "MOE_FEW_ROWS", False), {}),           # before run 33
                 ("norms_unfused", flag(_fast, "FUSED_NORMS", False), {}),             # before run 38
                 ("route_by_torch", flag(_fast, "ROUTE_KERNELS", False), {}),          # before run 38
-                ("head_norms_by_fla", flag(_fast, "NORM_ROWS", False), {})]           # before run 49
+                ("head_norms_by_fla", flag(_fast, "NORM_ROWS", False), {}),           # before run 49
+                ("order_keys_by_torch", flag(_fast, "ORDER_KERNEL", False), {})]      # before run 77
     from hypic.runtime import compose_graph as _cg
 
     # the graph in one piece (the whole fill, then one launch, as before run 34); a short first piece

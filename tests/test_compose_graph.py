@@ -321,3 +321,36 @@ def test_rotary_into_equals_rotary():
             want = torch.cat([xr * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None], xp], -1)
             assert torch.equal(out, want), (rdim, dtype)
             assert torch.equal(rot.apply(x, cos, sin), want), (rdim, dtype)
+
+
+def test_order_keys_places_and_orders_like_rotary():
+    """ops.order_keys (the compose pass's attention operands): the cached rows of the keys buffer become
+    Rotary.apply_into's placed keys bit for bit, then keys and values come back gathered by kperm; without free
+    keys it is the plain gather. The reference and the fast backend (PyTorch here) agree exactly."""
+    from hypic.config import ModelConfig
+    from hypic.layers.rope import Rotary
+    from hypic.models.presets import preset_config
+    from hypic.ops import get_backend
+
+    cfg = ModelConfig.from_dict(preset_config("tiny-qwen3.5-moe"))
+    g = torch.Generator().manual_seed(1)
+    for rdim, d in ((16, 64), (64, 64), (0, 32)):
+        rot = Rotary(cfg, max(rdim, 2), {"rope_type": "default", "rope_theta": 10000.0})
+        for dtype in (torch.bfloat16, torch.float32):
+            n_all, lo, n = 45, 4, 30
+            keys, values = torch.randn(n_all, 2, d, generator=g).to(dtype), torch.randn(n_all, 2, 24, generator=g).to(dtype)
+            free = torch.randn(n, 2, d, generator=g).to(dtype)
+            cos, sin = rot.cos_sin(torch.randint(0, 1 << 16, (n,), generator=g), dtype)
+            kperm = torch.randperm(n_all, generator=g)
+            want = keys.clone()
+            if rdim:
+                rot.apply_into(free, cos, sin, want[lo : lo + n])
+            else:
+                want[lo : lo + n] = free
+            for name in ("reference", "fast"):
+                k = keys.clone()
+                ok, ov = get_backend(name).order_keys(k, values, kperm, free=free, lo=lo, cos=cos, sin=sin,
+                                                      rotary_dim=rdim)
+                assert torch.equal(k, want) and torch.equal(ok, want[kperm]) and torch.equal(ov, values[kperm])
+                ok, ov = get_backend(name).order_keys(keys, values, kperm)
+                assert torch.equal(ok, keys[kperm]) and torch.equal(ov, values[kperm])

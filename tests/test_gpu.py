@@ -262,6 +262,33 @@ def test_triton_position_attention_matches_reference():
 
 
 @cuda
+def test_triton_order_keys_equals_reference_bitwise():
+    """The compose pass's attention operands at the 35B shape (2 kv heads of 256, RoPE over the first 64 dims,
+    ~8k keys with a cached block of 6k): one launch equals the PyTorch ops (RoPE products and sums, a copy, two
+    gathers) bit for bit in bf16 and fp32, the placed keys left in the buffer included."""
+    pytest.importorskip("triton")
+    from hypic.ops import triton_place
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n_all, lo, n, r = 8200, 17, 6000, 64
+    for dt in (torch.bfloat16, torch.float32):
+        keys = torch.randn(n_all, 2, 256, device="cuda", generator=g).to(dt)
+        values = torch.randn(n_all, 2, 256, device="cuda", generator=g).to(dt)
+        free = torch.randn(n, 2, 256, device="cuda", generator=g).to(dt)
+        pos = torch.randint(0, 40000, (n,), device="cuda", generator=g).float()
+        inv = 1.0 / (1e7 ** (torch.arange(0, r, 2, device="cuda").float() / r))
+        ang = pos[:, None] * inv[None, :]
+        cos, sin = torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
+        kperm = torch.randperm(n_all, device="cuda", generator=g)
+        k0, k1 = keys.clone(), keys.clone()
+        a = ref.order_keys(k0, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=r)
+        b = triton_place.order_keys(k1, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=r)
+        assert torch.equal(k0, k1) and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), dt
+        c = fast.order_keys(keys.clone(), values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=r)
+        assert torch.equal(c[0], a[0]) and "order" not in fast.FAILED
+
+
+@cuda
 def test_triton_summary_matches_reference():
     """Runs from [0 | I]: the Triton kernels (token by token, chunked; the chunked one also with T factored)
     against the fp32 reference on bf16 inputs (the fla bound)."""
@@ -536,7 +563,8 @@ def test_triton_scan_in_triton_interpreter():
     """Where triton is installed but there is no GPU: the scan kernel's forms (stacked maps, slot order,
     runs read in place, the compose pass's step table and two chains, runs' transitions dense or factored),
     the split-K position attention, the zero-start summary of short runs (dense or factored transitions) and
-    the gathered conv and the few-rows MoE kernel run in Triton's CPU interpreter against the fp64 references; a whole compose pass through those kernels equals the planned walk, and so does
+    the gathered conv, the few-rows MoE kernel and the attention operands' placing and ordering (fp32 bit for bit; bf16 within
+    the interpreter's truncating casts) run in Triton's CPU interpreter against the fp64 references; a whole compose pass through those kernels equals the planned walk, and so does
     one with every kernel marked as failed to build (their PyTorch forms; a subprocess: the interpreter
     is chosen when triton is imported)."""
     import importlib.util
@@ -772,6 +800,35 @@ w, b = torch.randn(300, 4), torch.randn(300)
 y0 = torch.nn.functional.silu((src[idx] * w.t()).sum(1) + b)
 assert rel(gathered_conv(src, idx, w, b, "silu"), y0.double()) < 1e-6
 assert rel(gathered_conv(src, idx, w, None, None), (src[idx] * w.t()).sum(1).double()) < 1e-6
+from hypic.ops import triton_place                   # the attention operands placed and ordered in one launch
+from hypic.ops.reference import order_keys as ref_order
+for dt in (torch.float32, torch.bfloat16):
+    for n_all, hkv, d, lo, n, r in ((50, 2, 16, 5, 30, 8), (37, 1, 20, 0, 37, 20), (64, 2, 32, 3, 10, 0)):
+        keys, values = torch.randn(n_all, hkv, d).to(dt), torch.randn(n_all, hkv, 12).to(dt)
+        free, kperm = torch.randn(n, hkv, d).to(dt), torch.randperm(n_all)
+        ang = torch.randint(0, 5000, (n, 1)).float() * torch.rand(1, max(r // 2, 1))
+        cos, sin = torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
+        k0, k1 = keys.clone(), keys.clone()
+        a = ref_order(k0, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=r)
+        b = triton_place.order_keys(k1, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=r)
+        assert torch.equal(a[1], b[1]) and torch.equal(b[0], k1[kperm])
+        if dt == torch.float32:        # the interpreter rounds like the GPU in fp32 (bf16 casts: it truncates)
+            assert torch.equal(k0, k1) and torch.equal(a[0], b[0]), (n_all, r)
+        else:                          # two products and a sum, each within a bf16 ulp of the other's rounding
+            h = max(r // 2, 1)
+            part = torch.cat([free[..., h:r], free[..., :h]], -1).float().abs() if r else 0
+            bound = 2.0 ** -6 * (free[..., :r].float().abs() * cos[:, None, :r].float().abs()
+                                 + part * sin[:, None, :r].float().abs()) if r else 0
+            diff = (k0[lo:lo + n, :, :r].float() - k1[lo:lo + n, :, :r].float()).abs()
+            assert (diff <= bound + 1e-30).all() and torch.equal(k0[lo:lo + n, :, r:], k1[lo:lo + n, :, r:])
+            assert torch.equal(torch.cat([k0[:lo], k0[lo + n:]]), torch.cat([k1[:lo], k1[lo + n:]]))
+        c = triton_place.order_keys(keys.clone(), values, kperm)
+        assert torch.equal(c[0], keys[kperm]) and torch.equal(c[1], values[kperm])
+try:
+    triton_place.order_keys(keys, values, kperm[1:])
+    raise AssertionError("a kperm that leaves rows out must be refused")
+except ValueError:
+    pass
 sc.kernel_ready = lambda device: True          # the compose pass's address-table form, interpreted
 from hypic.ops import fast
 fast.INTERPRETED = True                        # and its conv and attention kernels
@@ -797,7 +854,7 @@ for factored in (False, True):                 # the runs' transitions dense [S 
     for a, b in zip(out["eager"], got):
         assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4, factored
 lin.RUN_FACTORS = False
-fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary"))   # kernels that could not
+fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary", "order"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):
     b = llm.generate([p], sp)[0]

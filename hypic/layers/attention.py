@@ -55,6 +55,11 @@ class AttentionMixer(nn.Module):
         """place_keys(k, ...) written into out."""
         out.copy_(self.place_keys(k, positions, batch, key))
 
+    def key_tables(self, k: torch.Tensor, positions: torch.Tensor, batch, key=None):
+        """(cos, sin, rotary_dim): the rotate-half RoPE tables that place keys k at `positions` (ops.order_keys
+        applies them), or None where keys are placed some other way (placed by place_keys_into instead)."""
+        return None
+
     def output(self, x, out, extra):
         raise NotImplementedError
 
@@ -146,16 +151,22 @@ class AttentionMixer(nn.Module):
         q = self.place_queries(q, batch.positions, batch)
         self.place_keys_into(k_raw, buf["kt"], batch.positions, batch)
         buf["vt"].copy_(v)
-        if self.places_keys():
-            self.place_keys_into(buf["k"], buf["placed"], c.kpos, batch, "placed")
         keys, values = buf["keys"], buf["values"]
         c.outputs[self.layer_idx] = (keys, values)
         # attended in position order (keys[kperm]): query i sees the ordered keys 0..qlast[i] (a prefix: the
         # fast kernel walks only the blocks before it), keys no query may see last. Gathered copies, not read
         # through kperm in the kernel: the index load before each key block stalled its pipeline (H200 run 15:
-        # 0.75 ms per call through the index, 0.51 ms on gathered keys; the two copies ~0.04 ms)
-        out = self.ops.position_attention(q, keys[c.kperm], values[c.kperm], c.qlast, c.kidx, scale=self.scale,
-                                          sorted_keys=True)
+        # 0.75 ms per call through the index, 0.51 ms on gathered keys; the two copies ~0.04 ms). The cached keys
+        # are placed (RoPE, into `placed`, which the request keeps) by the same op that gathers (one launch on CUDA)
+        rope = self.key_tables(buf["k"], c.kpos, batch, "placed") if self.places_keys() else None
+        if rope is None:
+            if self.places_keys():                                     # placed some other way than RoPE tables
+                self.place_keys_into(buf["k"], buf["placed"], c.kpos, batch, "placed")
+            ok, ov = self.ops.order_keys(keys, values, c.kperm)
+        else:
+            ok, ov = self.ops.order_keys(keys, values, c.kperm, free=buf["k"], lo=buf["hk"].shape[0], cos=rope[0],
+                                         sin=rope[1], rotary_dim=rope[2])
+        out = self.ops.position_attention(q, ok, ov, c.qlast, c.kidx, scale=self.scale, sorted_keys=True)
         return self.output(x, out, extra)
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> KVBuffer:
@@ -263,6 +274,12 @@ class RopeAttention(AttentionMixer):
             return
         cos, sin = self._key_rope(k, positions, batch, key)
         self.rotary[0].apply_into(k, cos, sin, out)
+
+    def key_tables(self, k, positions, batch, key=None):
+        if self.rotary is None:
+            return None
+        cos, sin = self._key_rope(k, positions, batch, key)
+        return cos, sin, self.rotary[0].rotary_dim
 
     def place_queries(self, q, positions, batch):
         if self.rotary is None:

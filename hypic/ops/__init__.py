@@ -31,6 +31,7 @@ class Backend:
     causal_conv1d_varlen: Callable
     position_attention: Callable
     decode_attention: Callable
+    order_keys: Callable
     route: Callable
     route_grouped_sigmoid: Callable
     experts_forward: Callable
@@ -56,7 +57,7 @@ def get_backend(name: str) -> Backend:
         _LOADED[name] = Backend(
             name, m.chunk_gated_delta_rule, m.recurrent_gated_delta_rule, m.chunk_kda, m.recurrent_kda, m.chunk_gla,
             m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d, m.causal_conv1d_varlen,
-            m.position_attention, m.decode_attention, m.route, m.route_grouped_sigmoid, m.experts_forward,
+            m.position_attention, m.decode_attention, m.order_keys, m.route, m.route_grouped_sigmoid, m.experts_forward,
             m.recurrent_gated_delta_summary, m.chunk_gated_delta_transition, m.chunk_gated_delta_isolated,
             m.rms_norm, m.rms_norm_gated, m.gdn_gate,
         )

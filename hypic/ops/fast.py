@@ -147,7 +147,7 @@ _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": 
             "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows"),
             "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert"),
             "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention"),
-            "norm": ("triton_norm", "norm_rows")}
+            "norm": ("triton_norm", "norm_rows"), "order": ("triton_place", "order_keys")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
@@ -642,6 +642,22 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
 def _scaled_scores(a, b, scale: float):
     """scale * (a @ b) for [G, M, D] @ [G, D, N], scaled in the GEMM's accumulator, in a's dtype."""
     return torch.baddbmm(a.new_empty(()).expand(a.shape[0], a.shape[1], b.shape[2]), a, b, beta=0.0, alpha=scale)
+
+
+ORDER_KERNEL = True        # False: the compose pass's keys placed and ordered by PyTorch ops (gpu_bench's variant)
+
+
+def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0):
+    """The reference signature (ops/reference/attention.py): where Triton runs, one launch that places the cached
+    keys (RoPE) and gathers keys and values into position order (ops/triton_place.py), equal to the reference bit
+    for bit; else the reference's ops (RoPE products and sums, a copy, two gathers)."""
+    kern = triton_kernel("order", keys, values) if ORDER_KERNEL and triton_here(keys) else None
+    if kern is not None:
+        try:
+            return kern(keys, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=rotary_dim)
+        except Exception as e:
+            kernel_failed("order", e)
+    return ref.order_keys(keys, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=rotary_dim)
 
 
 def decode_attention(q, k, v, lengths, *, scale: float):

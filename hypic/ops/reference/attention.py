@@ -42,3 +42,28 @@ def decode_attention(q, k, v, lengths, *, scale: float):
         zero = torch.zeros(1, dtype=torch.long, device=q.device)
         out.append(position_attention(q[b : b + 1], kk, vv, zero, zero.expand(n), scale=scale))
     return torch.cat(out)
+
+
+def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0):
+    """The compose pass's keys and values in position order (the attention's operands), with a cached run of keys
+    placed first.
+
+    keys, values [N, Hkv, D(v)]: every key of the pass as its buffers hold them ([held | cached | active]).
+    kperm [N] (int64): the rows of keys / values in position order (a permutation of 0..N-1).
+    free [n, Hkv, D] (optional): the cached segments' position-free keys, with cos, sin [n, >= rotary_dim]
+    (rotate-half tables in keys' dtype, the second half repeating the first): keys[lo : lo + n] is overwritten
+    in place by free placed at those positions (RoPE over each head's first rotary_dim dims, the rest copied;
+    the buffer keeps them: they are the request's keys after the pass), before the gather. The products and
+    sums in the roundings of `layers/rope.Rotary.apply_into` (x1 c - x2 s and x2 c + x1 s, each product
+    rounded to the dtype first).
+    Returns (keys[kperm], values[kperm])."""
+    if free is not None:
+        r, h, n = rotary_dim, rotary_dim // 2, free.shape[0]
+        dst = keys[lo : lo + n]
+        if r:
+            c, s = cos[:, None, :h], sin[:, None, :h]
+            x1, x2 = free[..., :h], free[..., h:r]
+            torch.sub(x1 * c, x2 * s, out=dst[..., :h])
+            torch.add(x2 * c, x1 * s, out=dst[..., h:r])
+        dst[..., r:].copy_(free[..., r:])
+    return keys[kperm], values[kperm]

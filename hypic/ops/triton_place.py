@@ -1,0 +1,97 @@
+"""Triton kernel: the compose pass's keys and values put in position order, cached keys placed on the way (CUDA only).
+
+Before each attention layer's kernel the pass needs its keys and values in position order (the kernel then walks
+each query block's visible prefix only), and the cached segments' position-free keys rotated to the positions they
+take in this request. As PyTorch ops that is, per layer on the 35B request (~33k keys of 2 heads x 256): the RoPE
+products, sums and the copy of the dims RoPE leaves alone (~80 us), then a gather of the keys and one of the values
+(~43 us; H200 run 63's profile). Here one launch reads every row once and writes it once:
+
+    program (block of BR ordered rows): for each row i, src = kperm[i];
+        values: ov[i] = values[src]
+        keys:   a cached row (lo <= src < lo + n): placed = RoPE(free[src - lo], cos, sin[src - lo]), written to
+                keys[src] (the request keeps it) and to ok[i]; any other row: ok[i] = keys[src]
+
+The rotation repeats `layers/rope.Rotary.apply_into`'s roundings (each product rounded to the dtype, then the sum,
+round to nearest even), and the launch turns off the fusion of multiplies and adds, so compiled on the GPU the
+result equals the PyTorch form bit for bit. (Triton's CPU interpreter truncates fp32 -> bf16 casts whatever the
+rounding asked for: there bf16 results differ from PyTorch's in the last bit, fp32 ones do not.)
+Imported lazily (ops/fast.py): importing it needs triton, which CPU machines may lack.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs_stride,
+                  W: tl.constexpr, WV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
+                  BW: tl.constexpr, BWV: tl.constexpr, BR: tl.constexpr, PLACE: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BR + tl.arange(0, BR)
+    rmask = rows < M
+    src = tl.load(kperm + rows, mask=rmask, other=0).to(tl.int64)
+    out_row = rows.to(tl.int64)
+    cv = tl.arange(0, BWV)
+    vm = rmask[:, None] & (cv < WV)[None, :]
+    tl.store(ov + out_row[:, None] * WV + cv[None, :], tl.load(values + src[:, None] * WV + cv[None, :], mask=vm),
+             mask=vm)
+    ck = tl.arange(0, BW)
+    col_ok = ck < W
+    if PLACE:
+        j = src - lo
+        cached = rmask & (j >= 0) & (j < n_free)
+        d = ck % D
+        rot = d < R
+        partner = (ck // D) * D + tl.where(d < HALF, d + HALF, d - HALF)
+        ci = d % HALF
+        cm = cached[:, None] & col_ok[None, :]
+        rm = cm & rot[None, :]
+        base = free + j[:, None] * W
+        x = tl.load(base + ck[None, :], mask=cm, other=0.0)
+        xp = tl.load(base + partner[None, :], mask=rm, other=0.0)
+        c = tl.load(cos + j[:, None] * cs_stride + ci[None, :], mask=rm, other=0.0)
+        s = tl.load(sin + j[:, None] * cs_stride + ci[None, :], mask=rm, other=0.0)
+        a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+        b = (xp.to(tl.float32) * s.to(tl.float32)).to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        placed = tl.where(rot[None, :], (a + sign[None, :] * b).to(x.dtype, fp_downcast_rounding="rtne"), x)
+        tl.store(keys + src[:, None] * W + ck[None, :], placed, mask=cm)
+        other = rmask & ~cached
+        km = other[:, None] & col_ok[None, :]
+        k_row = tl.where(cached[:, None], placed, tl.load(keys + src[:, None] * W + ck[None, :], mask=km, other=0.0))
+    else:
+        k_row = tl.load(keys + src[:, None] * W + ck[None, :], mask=rmask[:, None] & col_ok[None, :])
+    tl.store(ok + out_row[:, None] * W + ck[None, :], k_row, mask=rmask[:, None] & col_ok[None, :])
+
+
+def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0):
+    """ops/reference/attention.order_keys in one launch (its docstring has the layout). keys, values, free, cos and
+    sin contiguous in their rows (the compose pass's buffers are)."""
+    n_keys, hkv, d = keys.shape
+    w, wv, m = hkv * d, values.shape[1] * values.shape[2], kperm.shape[0]
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("order_keys: keys and values must be contiguous")
+    if m != n_keys or values.shape[0] != n_keys:
+        raise ValueError(f"order_keys: kperm must order all {n_keys} rows, got {m} for {values.shape[0]} values")
+    ok = keys.new_empty((m, hkv, d))
+    ov = values.new_empty((m,) + tuple(values.shape[1:]))
+    if m == 0:
+        return ok, ov
+    place = free is not None and free.shape[0] > 0
+    if place:
+        if free.shape[1:] != keys.shape[1:] or not free.is_contiguous() or free.dtype != keys.dtype:
+            raise ValueError("order_keys: free must be contiguous keys of the buffer's head layout and dtype")
+        if rotary_dim % 2 or rotary_dim > d or (rotary_dim and (cos.stride(1) != 1 or sin.stride() != cos.stride())):
+            raise ValueError("order_keys: an even rotary_dim <= head dim and row-contiguous cos, sin tables")
+    r = rotary_dim if place else 0
+    bw, bwv = triton.next_power_of_2(w), triton.next_power_of_2(wv)
+    br = max(1, min(64, 8192 // max(bw, bwv)))
+    _order_kernel[(triton.cdiv(m, br),)](
+        keys, values, kperm, free if place else keys, cos if place and r else keys, sin if place and r else keys,
+        ok, ov, m, lo, free.shape[0] if place else 0, cos.stride(0) if place and r else 0,
+        W=w, WV=wv, D=d, R=r, HALF=max(r // 2, 1), BW=bw, BWV=bwv, BR=br, PLACE=place, num_warps=4,
+        enable_fp_fusion=False)
+    return ok, ov
