@@ -20,7 +20,6 @@ Imported lazily (ops/fast.py): importing it needs triton, which CPU machines may
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
