@@ -485,19 +485,22 @@ def test_cuda_graph_compose_matches_eager_buffers():
 
 
 @cuda
-def test_cuda_graph_decode_matches_eager_buffers():
-    """The captured step replays the same kernels as the eager static step on the same buffers."""
+@pytest.mark.parametrize("preset,dtype", [("tiny-qwen3.5", "bfloat16"), ("tiny-kimi-linear", "float32")])
+def test_cuda_graph_decode_matches_eager_buffers(preset, dtype):
+    """The captured step replays the same kernels as the eager static step on the same buffers. The KDA model in
+    fp32 (the quality study's evaluation) runs reference linear ops on the GPU: its capture used to fail (an index
+    tensor sent to the device inside the step) and decode fell back to eager."""
     from hypic import LLM, Prompt, SamplingParams
     from hypic.runtime.decode import StaticDecoder
 
-    llm = LLM("tiny-qwen3.5", device="cuda", dtype="bfloat16", seed=0)
+    llm = LLM(preset, device="cuda", dtype=dtype, seed=0)
     eng = llm.engine
     assert isinstance(eng.decoder, StaticDecoder) and eng.decoder.graphs
     p = Prompt(segments=[list(range(3, 40)), list(range(50, 90))], query=list(range(100, 110)))
     sp = SamplingParams(max_tokens=6, return_logits=True, ignore_eos=True)
     graph = llm.generate([p, p], sp)
-    assert eng.decoder.captures >= 1
-    eng.decoder = StaticDecoder(eng.model, "cuda", torch.bfloat16, graphs=False)
+    assert eng.decoder.captures >= 1 and eng.decoder.graph is not None
+    eng.decoder = StaticDecoder(eng.model, "cuda", getattr(torch, dtype), graphs=False)
     eager = llm.generate([p, p], sp)
     for a, b in zip(graph, eager):
         assert a.token_ids == b.token_ids

@@ -287,3 +287,27 @@ def test_joined_weights_equal_separate_projections_and_pad_rows():
     sum(o.sum() for o in j.linear(x, *p)).backward()
     for pi in p:
         torch.testing.assert_close(pi.grad, x.sum(0).expand_as(pi))
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1, 1, 1], [4, 4, 4]])
+def test_varlen_of_one_length_is_a_view_and_equals_separate_sequences(lens):
+    """Sequences of one length (a decode step: R runs of one token, CPU cu_seqlens) are laid out by a reshape,
+    not a gather: no index tensor goes to the device, which a CUDA graph capture of the decode step would refuse
+    (the KDA model's fp32 decode fell back to eager for that). Results equal each sequence run alone, exactly."""
+    from hypic.ops.reference.gated_delta import _pad_varlen, _unpad
+
+    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, g, beta, _ = _inputs(1, sum(lens), 2, 2, 8, 8, seed=3)
+    (pq, pk), got = _pad_varlen((q, k), cu)
+    assert got == lens and pq.shape[:2] == (len(lens), lens[0]) and pq.data_ptr() == q.data_ptr()
+    assert torch.equal(_unpad(pq, lens), q)
+    s0 = torch.randn(len(lens), 2, 8, 8)
+    gk = -torch.rand(1, sum(lens), 2, 8) * 0.1                                  # KDA: a decay per key channel
+    for fn, gate in ((recurrent_gated_delta_rule, g), (recurrent_kda, gk)):
+        o, s = fn(q, k, v, gate, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                  use_qk_l2norm_in_kernel=True)
+        for i in range(len(lens)):
+            sl = slice(int(cu[i]), int(cu[i + 1]))
+            oi, si = fn(q[:, sl], k[:, sl], v[:, sl], gate[:, sl], beta[:, sl], initial_state=s0[i : i + 1],
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+            assert torch.equal(o[:, sl], oi) and torch.equal(s[i : i + 1], si), fn.__name__
