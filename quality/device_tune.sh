@@ -9,8 +9,9 @@
 #           can start from them (MODEL=/tmp/kp/model)
 # SETS      evaluation sets (eval_<set>.jsonl under $EVAL_DATA); empty: no evaluation
 # SHARDS    processes per set (default 3); N questions per set (default 500); MODES as eval_pic.py's --modes
-# TAG       prefix of the result files ($OUT/<TAG>_<set>_s<i>.jsonl)
+# TAG       prefix of the result files ($OUT/<TAG>_<set>.jsonl: the set's shards joined)
 # DEADLINE  seconds after the start at which the evaluation is stopped (what it wrote comes back)
+# DEVICE    cuda (default), or cpu for a dry run of the script
 # PACK=1    also bring the tuned weights back: one tar in 15 MB parts (a returned file is capped at 16 MiB)
 # The data: .data/corpus_train (train.bin.xz, meta.json, tokenizer.json of .data/corpus) and .data/corpus_eval
 # (eval_<set>.jsonl, tokenizer.json, meta.json), each under the 64 MiB the working tree may carry.
@@ -25,15 +26,16 @@ N=${N:-500}
 MODES=${MODES:-full,pic:8,naive:8}
 TAG=${TAG:-eval}
 DEADLINE=${DEADLINE:-570}
+DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT" "$KEEP"
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+[ "$DEVICE" != cuda ] || nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 EVAL_MODEL=$MODEL
 if [ -n "${TUNE:-}" ]; then
   # shellcheck disable=SC2086
-  python3 quality/pic_train.py --model "$MODEL" --out "$KEEP" --data "$TRAIN_DATA" --device cuda $TUNE \
+  python3 quality/pic_train.py --model "$MODEL" --out "$KEEP" --data "$TRAIN_DATA" --device "$DEVICE" $TUNE \
     > "$OUT/pic_train.log" 2>&1
   rc=$?
   cp "$KEEP/pic_train_log.jsonl" "$OUT/pic_train_log.jsonl" 2>/dev/null
@@ -49,14 +51,21 @@ if [ -n "${SETS:-}" ]; then
   for S in $SETS; do
     for ((i = 0; i < SHARDS; i++)); do
       timeout "$left" python3 quality/eval_pic.py --model "$EVAL_MODEL" --data "$EVAL_DATA" --set "$S" --n "$N" \
-        --modes "$MODES" --device cuda --threads 1 --shard "$i/$SHARDS" --out "$OUT/${TAG}_${S}_s$i.jsonl" \
+        --modes "$MODES" --device "$DEVICE" --threads 1 --shard "$i/$SHARDS" --out "$OUT/${TAG}_${S}_s$i.jsonl" \
         > "$KEEP/eval_${S}_s$i.log" 2>&1 &
       PIDS="$PIDS $!"
     done
   done
   for P in $PIDS; do wait "$P"; done
   echo "evaluation done at $(( $(date +%s) - START )) s"
-  for S in $SETS; do tail -n 2 "$KEEP/eval_${S}_s0.log"; done
+  for S in $SETS; do
+    for ((i = 0; i < SHARDS; i++)); do tail -n 1 "$KEEP/eval_${S}_s$i.log"; done
+    # one file per set (a call brings back at most 8 files: 3 sets x 3 shards and the weights' parts did not fit)
+    if compgen -G "$OUT/${TAG}_${S}_s*.jsonl" > /dev/null; then
+      cat "$OUT/${TAG}_${S}"_s*.jsonl > "$OUT/${TAG}_${S}.jsonl" && rm -f "$OUT/${TAG}_${S}"_s*.jsonl
+    fi
+  done
+  grep -h "capture failed" "$KEEP"/eval_*.log | sort | uniq -c
   python3 quality/eval_pic.py --report "$OUT"/"${TAG}"_*.jsonl
 fi
 if [ "${PACK:-0}" = 1 ] && [ -n "${TUNE:-}" ]; then
