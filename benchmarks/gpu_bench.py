@@ -328,7 +328,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     # the runs' transitions factored in the chain scan (runs 27-32) instead of dense; the MoE's grouped GEMMs
     # instead of the few-rows kernel (before run 33); the norms and the GDN gate unfused, the routing and the
     # sort by PyTorch ops (before run 38); the attention operands placed and ordered by PyTorch ops (RoPE
-    # products, a copy, two gathers: before run 77); the graph in one piece; a one-layer first piece. With
+    # products, a copy, two gathers: before run 77); the MoE's sort by comparing every pair of choices (before run
+    # 77, where histograms give the ranks); the graph in one piece; a one-layer first piece. With
     # --all-variants also those decided before: the runs' outputs corrected after the scan instead of inside
     # it, the fill by a copy kernel (runs 32-35), the graph in 4 or 16 pieces (run 19 also timed seam runs
     # fused with the segment after them: 68.2 against 64.7 ms, removed)
@@ -337,8 +338,9 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
 
     try:
         from hypic.ops import triton_scan as _ts
+        from hypic.ops import triton_route as _tr
     except ImportError:                          # the CPU dry run without triton
-        _ts = None
+        _ts = _tr = None
 
     def flag(mod, name, value):                 # a variant's switch: a context manager per use
         return lambda: flagged(mod, name, value)
@@ -353,6 +355,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("route_by_torch", flag(_fast, "ROUTE_KERNELS", False), {}),          # before run 38
                 ("head_norms_by_fla", flag(_fast, "NORM_ROWS", False), {}),           # before run 49
                 ("order_keys_by_torch", flag(_fast, "ORDER_KERNEL", False), {})]      # before run 77
+    if _tr is not None:
+        variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
     from hypic.runtime import compose_graph as _cg
 
     # the graph in one piece (the whole fill, then one launch, as before run 34); a short first piece

@@ -15,7 +15,10 @@ radix sort, zeros, ones, scatter-add, cumsum), ~500 of the 35B request's ~3,100 
             #{j: e_j < e_i} + #{j < i: e_j == e_i}, the number of keys (e_j, j) below its own, which a
             program per block of choices counts against all of them ([BI x BJ] comparisons at a time);
             one more program makes the histogram and its cumsum. (H200 run 38: the one-program bitonic
-            sort it replaces took 41 us per layer for 224 x 8 choices, 1.6 ms of the warm pic request.)
+            sort it replaces took 41 us per layer for 224 x 8 choices, 1.6 ms of the warm pic request; run 63:
+            11.9 us.) The default since (PREFIX_RANK) takes the same ranks from histograms, O(NK) per program:
+            the choices of lower experts and of the same expert before the block from two histograms, the
+            same expert earlier in the block by [BI x BI] comparisons.
 
 Imported lazily (ops/fast.py): importing it needs triton, which CPU machines may lack.
 """
@@ -27,6 +30,10 @@ import triton
 import triton.language as tl
 
 from .fast import SORT_MAX   # the choices one sort takes (its comparisons grow as their square)
+
+# the ranks from histograms (O(NK) a program) where True; False: by comparing every pair of choices (O(BI NK) a
+# program; H200 run 63: 11.9 us a layer for 224 x 8 choices), gpu_bench's variant `sort_by_comparisons`
+PREFIX_RANK = True
 
 
 @triton.jit
@@ -83,6 +90,37 @@ def _rank_kernel(experts, order, offs, NK, E: tl.constexpr, BI: tl.constexpr, BJ
         tl.store(offs + tl.arange(0, BE), tl.cumsum(counts, 0).to(tl.int32), mask=tl.arange(0, BE) < E)
 
 
+@triton.jit
+def _prefix_rank_kernel(experts, order, offs, NK, E: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr,
+                        BE: tl.constexpr):
+    """The same ranks from histograms: program p (choices i0 .. i0 + BI - 1) counts every expert over all choices
+    and over those before i0, so choice i's rank is (choices of a lower expert) + (same expert, before the block)
+    + (same expert, earlier in the block, by a [BI x BI] comparison); program 0 also writes the cumulative counts."""
+    p = tl.program_id(0)
+    i0 = p * BI
+    bins = tl.arange(0, BE)
+    total = tl.zeros([BE], dtype=tl.int32)
+    before = tl.zeros([BE], dtype=tl.int32)
+    n0 = 0
+    while n0 < NK:                                # (a while loop: Triton's interpreter cannot range over NK)
+        r = n0 + tl.arange(0, BN)
+        m = r < NK
+        e = tl.load(experts + r, mask=m, other=0).to(tl.int32)
+        total += tl.histogram(e, BE, mask=m).to(tl.int32)
+        before += tl.histogram(e, BE, mask=m & (r < i0)).to(tl.int32)
+        n0 += BN
+    upto = tl.cumsum(total, 0)
+    base = upto - total + before                  # per expert: lower experts' choices + its own before the block
+    ri = i0 + tl.arange(0, BI)
+    mi = ri < NK
+    ei = tl.load(experts + ri, mask=mi, other=0).to(tl.int32)
+    within = tl.sum(((ei[None, :] == ei[:, None]) & (ri[None, :] < ri[:, None])).to(tl.int32), 1)
+    rank = tl.sum(tl.where(bins[None, :] == ei[:, None], base[None, :], 0), 1) + within
+    tl.store(order + rank, ri.to(tl.int64), mask=mi)
+    if p == 0:
+        tl.store(offs + bins, upto, mask=bins < E)
+
+
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
     """logits [N, E] (the router's output) -> (weights [N, k] in logits' dtype, experts [N, k] int64)."""
     n, e = logits.shape
@@ -105,8 +143,15 @@ def sort_by_expert(flat: torch.Tensor, num_experts: int):
         raise ValueError(f"{nk} choices exceed the rank sort's {SORT_MAX}")
     order = torch.empty(nk, dtype=torch.int64, device=flat.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
-    bi, bj = 64, 256
-    _rank_kernel[(triton.cdiv(nk, bi) + 1,)](flat.contiguous(), order, offs, nk, E=num_experts, BI=bi, BJ=bj,
-                                             BN=1024,
-                                             BE=max(16, triton.next_power_of_2(num_experts)), num_warps=4)
+    be = max(16, triton.next_power_of_2(num_experts))
+    if nk == 0:
+        offs.zero_()
+    elif PREFIX_RANK:
+        bi = 64
+        _prefix_rank_kernel[(triton.cdiv(nk, bi),)](flat.contiguous(), order, offs, nk, E=num_experts, BI=bi, BN=1024,
+                                                   BE=be, num_warps=4)
+    else:
+        bi, bj = 64, 256
+        _rank_kernel[(triton.cdiv(nk, bi) + 1,)](flat.contiguous(), order, offs, nk, E=num_experts, BI=bi, BJ=bj,
+                                                 BN=1024, BE=be, num_warps=4)
     return order, offs
