@@ -148,8 +148,9 @@ def sort_by_expert(flat: torch.Tensor, num_experts: int):
         offs.zero_()
     elif PREFIX_RANK:
         bi = 64
+        # (8 warps: the block's [BI x BE] expert match is 64 values a thread)
         _prefix_rank_kernel[(triton.cdiv(nk, bi),)](flat.contiguous(), order, offs, nk, E=num_experts, BI=bi, BN=1024,
-                                                   BE=be, num_warps=4)
+                                                   BE=be, num_warps=8)
     else:
         bi, bj = 64, 256
         _rank_kernel[(triton.cdiv(nk, bi) + 1,)](flat.contiguous(), order, offs, nk, E=num_experts, BI=bi, BJ=bj,
