@@ -158,7 +158,7 @@ class AttentionMixer(nn.Module):
         # through kperm in the kernel: the index load before each key block stalled its pipeline (H200 run 15:
         # 0.75 ms per call through the index, 0.51 ms on gathered keys; the two copies ~0.04 ms). The cached keys
         # are placed (RoPE, into `placed`, which the request keeps) by the same op that gathers (one launch on CUDA)
-        rope = self.key_tables(buf["k"], c.kpos, batch, "placed") if self.places_keys() else None
+        rope = self.key_tables(buf["k"], c.kpos, batch, "placed")
         if rope is None:
             if self.places_keys():                                     # placed some other way than RoPE tables
                 self.place_keys_into(buf["k"], buf["placed"], c.kpos, batch, "placed")

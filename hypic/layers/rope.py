@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import UnsupportedArchitectureError
+from ..ops.reference.attention import rope_into
 
 
 def inverse_frequencies(cfg: ModelConfig, rotary_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
@@ -62,9 +63,4 @@ class Rotary(nn.Module):
         buffer; no autograd), with no rotated or concatenated copy in between. The same products and sums in the
         same roundings as apply's rotate-half form (x1 cos - x2 sin is x1 cos + (-x2) sin exactly; cos and sin
         repeat their first half): equal to it bit for bit (tests/test_compose_graph.py)."""
-        r, h = self.rotary_dim, self.rotary_dim // 2
-        c, s = cos[:, None, :h], sin[:, None, :h]
-        x1, x2 = x[..., :h], x[..., h:r]
-        torch.sub(x1 * c, x2 * s, out=out[..., :h])
-        torch.add(x2 * c, x1 * s, out=out[..., h:r])
-        out[..., r:].copy_(x[..., r:])
+        rope_into(x, cos, sin, out, self.rotary_dim)

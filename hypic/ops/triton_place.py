@@ -90,9 +90,10 @@ def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=Non
     # ~16 elements of a row block per thread and live tensor (the rotation keeps ~8 of them: x, its partner, cos, sin,
     # two rounded products, the result, the row): 4,096-element blocks over 8 warps
     br = max(1, min(64, 4096 // max(bw, bwv)))
+    warps = 8 if br * max(bw, bwv) >= 4096 else 4
     _order_kernel[(triton.cdiv(m, br),)](
         keys, values, kperm, free if place else keys, cos if place and r else keys, sin if place and r else keys,
         ok, ov, m, lo, free.shape[0] if place else 0, cos.stride(0) if place and r else 0,
-        W=w, WV=wv, D=d, R=r, HALF=max(r // 2, 1), BW=bw, BWV=bwv, BR=br, PLACE=place, num_warps=8 if br * max(bw, bwv) >= 4096 else 4,
+        W=w, WV=wv, D=d, R=r, HALF=max(r // 2, 1), BW=bw, BWV=bwv, BR=br, PLACE=place, num_warps=warps,
         enable_fp_fusion=False)
     return ok, ov

@@ -58,12 +58,18 @@ def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=Non
     rounded to the dtype first).
     Returns (keys[kperm], values[kperm])."""
     if free is not None:
-        r, h, n = rotary_dim, rotary_dim // 2, free.shape[0]
-        dst = keys[lo : lo + n]
-        if r:
-            c, s = cos[:, None, :h], sin[:, None, :h]
-            x1, x2 = free[..., :h], free[..., h:r]
-            torch.sub(x1 * c, x2 * s, out=dst[..., :h])
-            torch.add(x2 * c, x1 * s, out=dst[..., h:r])
-        dst[..., r:].copy_(free[..., r:])
+        rope_into(free, cos, sin, keys[lo : lo + free.shape[0]], rotary_dim)
     return keys[kperm], values[kperm]
+
+
+def rope_into(x, cos, sin, out, rotary_dim: int) -> None:
+    """Rotate-half RoPE of x [N, H, D] over each head's first rotary_dim dims written into out (the rest copied):
+    x1 c - x2 s and x2 c + x1 s, each product rounded to the dtype, then the sum; cos, sin [N, >= rotary_dim / 2]
+    (their first halves are read). `layers/rope.Rotary.apply_into` and `order_keys` both place keys this way."""
+    r, h = rotary_dim, rotary_dim // 2
+    if r:
+        c, s = cos[:, None, :h], sin[:, None, :h]
+        x1, x2 = x[..., :h], x[..., h:r]
+        torch.sub(x1 * c, x2 * s, out=out[..., :h])
+        torch.add(x2 * c, x1 * s, out=out[..., h:r])
+    out[..., r:].copy_(x[..., r:])

@@ -59,7 +59,7 @@ def _pad_varlen(tensors, cu_seqlens):
     if not lens:
         return [x.new_zeros((0, 0) + tuple(x.shape[2:])) for x in tensors], lens
     total = tensors[0].shape[1]
-    if _uniform(lens, total):
+    if min(lens) == tmax and tmax * len(lens) == total:
         # sequences of one length (a decode step: R runs of one token) need no padding: a view, with no index
         # tensor sent to the device (a host-to-device copy, which a CUDA graph capture refuses)
         return [x[0].reshape((len(lens), tmax) + tuple(x.shape[2:])) for x in tensors], lens
@@ -70,15 +70,10 @@ def _pad_varlen(tensors, cu_seqlens):
     return [torch.cat([x[0], x.new_zeros((1,) + tuple(x.shape[2:]))])[idx] for x in tensors], lens
 
 
-def _uniform(lens: list, total: int) -> bool:
-    """Every sequence of the same length, and together the whole packed batch."""
-    return bool(lens) and min(lens) == max(lens) and lens[0] * len(lens) == total
-
-
 def _unpad(o, lens):
     if not lens:
         return o.new_zeros((1, 0) + tuple(o.shape[2:]))
-    if _uniform(lens, o.shape[0] * o.shape[1]) and o.shape[1] == lens[0]:     # _pad_varlen's view: no pads
+    if min(lens) == o.shape[1]:                       # every sequence as long as the padding: no pads to drop
         return o.reshape((1, -1) + tuple(o.shape[2:]))
     keep = torch.arange(o.shape[1], device=o.device)[None, :] < torch.as_tensor(lens, device=o.device)[:, None]
     return o[keep].unsqueeze(0)
