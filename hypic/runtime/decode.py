@@ -108,6 +108,7 @@ class StaticDecoder:
         self.reqs: dict[int, object] = {}     # id(request) -> request (rows in use)
         self.kv_len: dict[int, int] = {}      # id(request) -> keys held in its row (host count)
         self.captures = 0                     # CUDA graphs captured
+        self.capture_error: str | None = None  # why the last capture failed (then steps run eagerly)
         self.builds = 0                       # buffer sets made (first use and every growth)
 
     # -- rows ------------------------------------------------------------------------------------------
@@ -154,7 +155,11 @@ class StaticDecoder:
             self.graph, self.logits, self.pinned = capture_forward(self.model, batch, self.device)
             self.captures += 1
         except Exception as e:  # an op that cannot be captured: the same buffers, run eagerly
-            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
+            from .graphs import host_read_site
+
+            site = host_read_site(self.model, batch)
+            self.capture_error = f"{type(e).__name__}: {e}" + (f"; host read: {site}" if site else "")
+            log.warning("CUDA graph capture failed (%s); decoding eagerly", self.capture_error)
             self.graphs, self.graph, self.logits = False, None, None
         st.reset()
 

@@ -67,3 +67,26 @@ def capture_forward(model, batch, device, pieces: int = 1, first: int = 0):
             pool = graph.pool() if pool is None else pool
             graphs.append(graph)
     return Captured(graphs, bounds), out, pin_layouts()
+
+
+def host_read_site(model, batch) -> str | None:
+    """Why a capture of `batch`'s forward failed, where the cause is a host read of device memory (a sync, which a
+    capture refuses; the capture's own error names no op): one eager forward under CUDA's sync debug mode set to
+    raise, and the innermost hypic frame of what raised. None where the forward reads nothing back."""
+    import traceback
+
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch.scratch.clear()
+        with torch.inference_mode():
+            model(batch)
+    except Exception as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "hypic" in f.filename]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}"
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+        batch.scratch.clear()
+    return None
+
