@@ -29,6 +29,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seam", type=int, default=8)
+    p.add_argument("--anchor", default="none", choices=["none", "prefix"],
+                   help="what a segment's isolated prefill runs after: nothing, or the request's prefix")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -39,8 +41,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if query is None:
         raise HypicError("give --query or --query-file")
     prefix = _read(a.prefix, a.prefix_file)
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.mode, seam=a.seam, load_format=a.load_format,
-              seed=a.seed)
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.mode, seam=a.seam, anchor=a.anchor,
+              load_format=a.load_format, seed=a.seed)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed)
     out = llm.generate([Prompt(segments=segments, query=query, prefix=prefix)], params)[0]
@@ -73,7 +75,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from . import LLM, Prompt, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, seam=a.seam, load_format=a.load_format, seed=a.seed)
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, seam=a.seam, anchor=a.anchor, load_format=a.load_format,
+              seed=a.seed)
     print(f"model {a.model} loaded in {time.perf_counter() - t0:.2f} s "
           f"({sum(p.numel() for p in llm.engine.model.parameters()) / 1e6:.2f} M parameters, random weights)"
           if a.model.startswith(("tiny-", "small-")) else f"model {a.model} loaded")
@@ -112,7 +115,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .runtime.scheduler import SchedulerConfig
     from .server.app import ServerConfig, build_app
 
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.cache_mode, seam=a.seam,
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.cache_mode, seam=a.seam, anchor=a.anchor,
               load_format=a.load_format, seed=a.seed, max_segments=a.max_segments)
     if a.warmup == "on" or (a.warmup == "auto" and llm.config.device.startswith("cuda")):
         times = llm.warmup(tokens=a.warmup_tokens)

@@ -554,16 +554,24 @@ class CacheMode(str, enum.Enum):
             raise ConfigError(f"unknown cache mode {value!r}; choose one of {[m.value for m in cls]}") from None
 
 
+ANCHORS = ("none", "prefix")
+
+
 @dataclass(frozen=True)
 class CachePolicy:
     """How a request reuses state. Policy is data: layers read these fields, never mode strings."""
 
     mode: CacheMode = CacheMode.PIC
     seam: int = 8                 # tokens recomputed at the start of every reused segment
+    anchor: str = "none"          # what a segment's isolated prefill runs after: "none" (nothing: positions 0..L-1,
+                                  # hypic.md section 3) or "prefix" (the request's prefix, so the segment's first
+                                  # tokens are not the sequence's first and its entry is keyed by the prefix too)
 
     def __post_init__(self):
         if not isinstance(self.seam, int) or isinstance(self.seam, bool) or self.seam < 0:
             raise ConfigError(f"seam must be an integer >= 0, got {self.seam!r}")
+        if self.anchor not in ANCHORS:
+            raise ConfigError(f"unknown anchor {self.anchor!r}; use one of {', '.join(map(repr, ANCHORS))}")
 
     @property
     def uses_segments(self) -> bool:

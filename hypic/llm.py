@@ -22,13 +22,14 @@ class LLM:
     """A hybrid-attention LLM with position-independent caching.
 
     model: a checkpoint directory or a preset name (`hypic.models.presets.PRESETS`).
-    cache_mode: "pic" | "prefix" | "naive" | "full"; seam: tokens recomputed per reused segment.
+    cache_mode: "pic" | "prefix" | "naive" | "full"; seam: tokens recomputed per reused segment; anchor: what a
+    segment's isolated prefill runs after ("none" or "prefix": the request's prefix; CachePolicy.anchor).
     Extra keyword arguments go to EngineConfig (segment_cache_bytes, prefix_cache_bytes, ...).
     """
 
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "float32", cache_mode: str = "pic",
-                 seam: int = 8, load_format: str = "auto", seed: int = 0, **engine_kwargs):
-        policy = CachePolicy(CacheMode.parse(cache_mode), seam)
+                 seam: int = 8, anchor: str = "none", load_format: str = "auto", seed: int = 0, **engine_kwargs):
+        policy = CachePolicy(CacheMode.parse(cache_mode), seam, anchor)
         self.config = EngineConfig(device=device, dtype=dtype, load_format=load_format, seed=seed, policy=policy,
                                    **engine_kwargs)
         self.engine = Engine(load_model(model, self.config), self.config)
@@ -61,9 +62,10 @@ class LLM:
     def cache_mode(self) -> str:
         return self.policy.mode.value
 
-    def set_policy(self, cache_mode: str | None = None, seam: int | None = None) -> None:
-        """Switch mode / seam for later requests (caches are kept; entries are keyed by seam)."""
-        p = CachePolicy(CacheMode.parse(cache_mode or self.policy.mode), self.policy.seam if seam is None else seam)
+    def set_policy(self, cache_mode: str | None = None, seam: int | None = None, anchor: str | None = None) -> None:
+        """Switch mode / seam / anchor for later requests (caches are kept; entries are keyed by seam and anchor)."""
+        p = CachePolicy(CacheMode.parse(cache_mode or self.policy.mode), self.policy.seam if seam is None else seam,
+                        self.policy.anchor if anchor is None else anchor)
         self.config = self.config.replace(policy=p)
         self.engine.config = self.config
 

@@ -28,8 +28,22 @@ from metrics import exact_match, f1
 
 
 def parse_mode(m: str) -> tuple[str, int]:
+    """"pic:8" -> ("pic", 8); a "+anchor" suffix ("pic+anchor:8") runs the mode with CachePolicy.anchor = "prefix"
+    (every document's isolated prefill after the prompt's prefix)."""
     name, _, seam = m.partition(":")
+    base, plus, extra = name.partition("+")
+    if base not in MODE_ORDER or (plus and extra != "anchor"):
+        raise SystemExit(f"unknown mode {m!r}: full, prefix, pic or naive, optionally +anchor, then :seam")
     return name, int(seam) if seam else 8
+
+
+MODE_ORDER = {"full": 0, "prefix": 1, "pic": 2, "naive": 3}
+
+
+def mode_rank(key: tuple[str, int]) -> tuple:
+    """Report order: full, prefix, pic, naive (each anchored variant after its plain one), then the seam."""
+    base, _, extra = key[0].partition("+")
+    return MODE_ORDER[base], extra, key[1]
 
 
 CHAT_INSTRUCTION = ("Answer the question using the documents below. Reply with the answer only "
@@ -134,7 +148,8 @@ def run(a) -> None:
             for mode, seam in modes:
                 if (mode, seam, i) in done:
                     continue
-                llm.set_policy(mode, seam)
+                base, _, extra = mode.partition("+")
+                llm.set_policy(base, seam, anchor="prefix" if extra == "anchor" else "none")
                 t_q = time.perf_counter()
                 rec = {"model": a.model, "weights": digest, "set": a.set, "format": a.format, "mode": mode,
                        "seam": seam, "i": i,
@@ -198,7 +213,7 @@ def report(paths, min_n: int = 1) -> None:
     print("|---|---|---|---:|---:|---|---|---:|---:|")
     for (model, st), modes in sorted(cells.items()):
         full = next((v for (m, _), v in modes.items() if m == "full"), {})
-        order = sorted(modes, key=lambda k: ({"full": 0, "prefix": 1, "pic": 2, "naive": 3}[k[0]], k[1]))
+        order = sorted(modes, key=mode_rank)
         for (mode, seam) in order:
             recs = modes[(mode, seam)]
             ids = sorted(recs)
@@ -239,7 +254,7 @@ def report_forced(cells, min_n: int, rng) -> None:
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     for (model, st), modes in sorted(cells.items()):
         full = next((v for (m, _), v in modes.items() if m == "full"), {})
-        order = sorted(modes, key=lambda k: ({"full": 0, "prefix": 1, "pic": 2, "naive": 3}[k[0]], k[1]))
+        order = sorted(modes, key=mode_rank)
         for (mode, seam) in order:
             recs = modes[(mode, seam)]
             ids = sorted(recs)

@@ -64,7 +64,7 @@ def main():
     for path in args.results:
         for line in open(path):
             r = json.loads(line)
-            sources.add((r["model"], r.get("weights")))
+            sources.add(r.get("weights") or r["model"])      # one model's weights, under whatever path
             if r["set"] != args.set or (r["mode"] != "full" and r["seam"] != args.seam):
                 continue
             by[r["i"]][r["mode"]] = r["em"]
@@ -72,20 +72,23 @@ def main():
     if len(sources) > 1:
         raise SystemExit(f"these files hold rows of {len(sources)} models or weights ({sorted(map(str, sources))}): "
                          "pass one model's results")
-    modes = [m for m in ("full", "pic", "naive") if any(m in d for d in by.values())]
+    order = ("full", "pic", "pic+anchor", "naive", "naive+anchor")
+    modes = [m for m in order if any(m in d for d in by.values())]
+    gaps = [m for m in ("pic", "pic+anchor") if m in modes]
     stats = collections.defaultdict(collections.Counter)
     for i, d in by.items():
-        if "full" not in d or "pic" not in d:
+        if "full" not in d or any(m not in d for m in gaps):      # questions every compared mode answered
             continue
         for g in groups(ev[i], gold_at[i]):
             stats[g]["n"] += 1
             for m in modes:
                 stats[g][m] += d.get(m, 0.0)
-    print(f"{'group':<42}{'n':>5}" + "".join(f"{m:>8}" for m in modes) + f"{'pic - full':>12}")
+    w = max(8, max(len(m) for m in modes) + 2)
+    print(f"{'group':<42}{'n':>5}" + "".join(f"{m:>{w}}" for m in modes) + "".join(f"{m + ' - full':>{w + 7}}" for m in gaps))
     for g, c in sorted(stats.items(), key=lambda kv: kv[0]):
         n = c["n"]
-        print(f"{g:<42}{n:>5}" + "".join(f"{100 * c[m] / n:>8.1f}" for m in modes)
-              + f"{100 * (c['pic'] - c['full']) / n:>+12.1f}")
+        print(f"{g:<42}{n:>5}" + "".join(f"{100 * c[m] / n:>{w}.1f}" for m in modes)
+              + "".join(f"{100 * (c[m] - c['full']) / n:>+{w + 7}.1f}" for m in gaps))
 
 
 if __name__ == "__main__":

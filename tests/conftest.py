@@ -108,7 +108,7 @@ def llms(hf_checkpoints):
 def llm(llms, arch):
     engine = llms[arch]
     engine.clear_cache()
-    engine.set_policy("pic", 8)
+    engine.set_policy("pic", 8, anchor="none")
     yield engine
     engine.clear_cache()
 

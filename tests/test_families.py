@@ -129,15 +129,20 @@ def _forward(layer, items, xs, state=None):
     return y, st, batch
 
 
-def _compose(layer, x, lengths, seam, *, exact=True):
-    """The engine's way: isolated summaries of every segment's [w, L), then seams + applies."""
+def _compose(layer, x, lengths, seam, *, exact=True, origin=0):
+    """The engine's way: isolated summaries of every segment's [w, L), then seams + applies. origin > 0: each
+    isolated prefill first runs `origin` other rows (an anchor, CachePolicy.anchor), so the segment sits at
+    positions origin.. there."""
     L = layer.layer_idx
     ids = list(range(x.shape[0]))
+    pad = torch.randn(origin, x.shape[1], generator=torch.Generator().manual_seed(5))
     entries, a = [], 0
     for n in lengths:
         w = min(seam, n)
         items = [("run", ids[a : a + w]), ("run", ids[a + w : a + n], {"summarize": True})]
-        _, _, batch = _forward(layer, items, x[a : a + n])
+        if origin:
+            items.insert(0, ("run", list(range(origin))))
+        _, _, batch = _forward(layer, items, torch.cat([pad, x[a : a + n]]))
         entries.append((w, n, batch.seqs[0].pieces[-1].captures.get(L) if n > w else None))
         a += n
     items, xs, a = [], [], 0
@@ -145,7 +150,7 @@ def _compose(layer, x, lengths, seam, *, exact=True):
         items.append(("run", ids[a : a + w]))
         xs.append(x[a : a + w])
         if part is not None:
-            items.append(("apply", SegmentEntry(None, (), n, w, {L: part})))
+            items.append(("apply", SegmentEntry(None, (), n, w, {L: part}, origin=origin)))
         a += n
     b = BatchBuilder("cpu")
     st = SeqState()
@@ -195,17 +200,19 @@ def test_naive_addition_is_wrong_and_storage_matches_the_form(family):
     assert t.t.shape == {Form.SCALAR: (h,), Form.DIAGONAL: (h, k), Form.DENSE: (h, k, k)}[layer.form]
 
 
+@pytest.mark.parametrize("origin", [0, 7])
 @pytest.mark.parametrize("family,dims", [("lightning_rope", (2, 1, 8, 8)), ("ring_linear", (2, 1, 16, 16))])
-def test_rope_state_needs_the_rotation(family, dims):
+def test_rope_state_needs_the_rotation(family, dims, origin):
     """RoPE'd lightning (MiniMax layout with rotated keys; Ring-linear's partial RoPE): the summary is
-    stored at segment position 0; composition with S' = R(start) S is exact, and without the rotation
-    it is far off (so the rotation tests above can fail)."""
+    stored at the position the segment had in its isolated prefill (0, or its anchor's length `origin`);
+    composition with S' = R(start - origin) S is exact (offsets -7, 13 and 38 with origin 7), and without
+    the rotation it is far off (so the rotation tests above can fail)."""
     cfg, layer = _layer(family, dims)
     lengths = [20, 25, 30]
     x = torch.randn(sum(lengths), cfg.hidden_size)
     _, ref, _ = _forward(layer, [("run", list(range(x.shape[0])))], x)
     ref = ref.layers[layer.layer_idx].rec
-    rotated, _ = _compose(layer, x, lengths, seam=2)
+    rotated, _ = _compose(layer, x, lengths, seam=2, origin=origin)
     assert (rotated.rec - ref).norm() / ref.norm() < 1e-5
     layer.key_rotation = lambda offset: None
     unrotated, _ = _compose(layer, x, lengths, seam=2)

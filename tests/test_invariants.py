@@ -80,6 +80,31 @@ def test_hit_miss_invariance(llm, prefix):
     torch.testing.assert_close(mixed.logits, cold.logits, atol=1e-5, rtol=0)
 
 
+def test_anchor_prefix_makes_one_segment_after_a_prefix_exact(llm):
+    """CachePolicy.anchor = "prefix": each segment's isolated prefill runs after the request's prefix, so a single
+    segment after a prefix sees in isolation exactly what it sees in context: PIC == full whatever the seam (also
+    0), where without the anchor it is not (so the test can fail). Entries are keyed by the prefix: the same prompt
+    hits with the same tokens and logits, another prefix misses."""
+    p = Prompt(prefix=rand_ids(12, 30), segments=[rand_ids(150, 31)], query=rand_ids(5, 32))
+    full = _decode(llm, p, "full")
+    plain = _decode(llm, p, "pic", seam=8)
+    assert (plain.logits - full.logits).abs().max() > 10 * ATOL
+    llm.set_policy(anchor="prefix")
+    for seam in (0, 2, 8):
+        llm.clear_cache()
+        cold = _decode(llm, p, "pic", seam=seam)
+        assert cold.composed_tokens == 150 - seam and cold.cold_prefill_tokens > 0
+        assert cold.token_ids == full.token_ids
+        torch.testing.assert_close(cold.logits, full.logits, atol=ATOL, rtol=0)
+        warm = _decode(llm, p, "pic", seam=seam)
+        assert warm.cold_prefill_tokens == 0 and warm.token_ids == cold.token_ids
+        torch.testing.assert_close(warm.logits, cold.logits, atol=1e-6, rtol=0)
+    other = Prompt(prefix=rand_ids(12, 33), segments=list(p.segments), query=p.query)
+    assert _decode(llm, other, "pic", seam=8).cold_prefill_tokens > 0
+    llm.set_policy(anchor="none")
+    assert _decode(llm, p, "pic", seam=8).cold_prefill_tokens > 0      # unanchored entries are others
+
+
 def test_prefix_mode_equals_full(llm):
     """Invariant 5: prefix-cache mode == full recompute, cold and with a partial chain hit."""
     p = _prompt(seed=2)

@@ -93,6 +93,14 @@ def test_rag_reordered_composes_and_matches_full(server):
                                 extra_body={"segments": DOCS[:4][::-1], "cache_mode": "full"})
     assert pic.choices[0].text == full.choices[0].text
     assert full.usage.model_extra["hypic"]["recomputed_tokens"] == full.usage.prompt_tokens
+    # anchor "prefix": one document after a prefix is exact at the default seam (its entry was prefilled after it)
+    one = {"segments": DOCS[4:5], "prefix": "Read these.\n"}
+    anch = c.completions.create(model=MODEL, prompt=q, max_tokens=8, temperature=0,
+                                extra_body={**one, "anchor": "prefix"})
+    full1 = c.completions.create(model=MODEL, prompt=q, max_tokens=8, temperature=0,
+                                 extra_body={**one, "cache_mode": "full"})
+    assert anch.usage.model_extra["hypic"]["composed_tokens"] > 0
+    assert anch.choices[0].text == full1.choices[0].text
 
 
 def test_separator_split_equals_segments_field(server):
@@ -183,6 +191,7 @@ BAD = [
     ("n > 1", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n=1"),
     ("bad seam", {"model": MODEL, "prompt": "x", "seam": -1}, 400, "seam"),
     ("bad mode", {"model": MODEL, "prompt": "x", "cache_mode": "magic"}, 400, "cache mode"),
+    ("bad anchor", {"model": MODEL, "prompt": "x", "anchor": "start"}, 400, "anchor"),
 ]
 
 

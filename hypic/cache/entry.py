@@ -1,10 +1,11 @@
 """What the caches hold. Each stateful layer's mixer builds its own part from its captures; the
 entries only store the parts by layer and account for their bytes.
 
-SegmentEntry (PIC), built from an isolated prefill of one segment (positions 0..L-1, zero states),
-for the cached part: tokens [w, L) where w = min(seam, L):
+SegmentEntry (PIC), built from an isolated prefill of one segment (positions 0..L-1, zero states; or, with an
+anchor, after the anchor's tokens: positions A..A+L-1, `origin` = A), for the cached part: tokens [w, L) where
+w = min(seam, L):
     layers[l]  LinearSummary  T (a Transition: scalar [H], diagonal [H, K] or dense [H, K, K], fp32),
-                              S [H, K, V] fp32 (zero start; RoPE'd-key families at segment position 0),
+                              S [H, K, V] fp32 (zero start; RoPE'd-key families at position `origin`),
                               tail [min(W-1, L-w), C] | None: last raw conv inputs (the next span's warm-up)
                AttnKV         k [L-w, Hkv, Dk] placeable at any position (pre-RoPE, or no RoPE at all),
                               v [L-w, Hkv, Dv]
@@ -29,16 +30,19 @@ from ..runtime.state import nbytes
 
 @dataclass(frozen=True)
 class SegmentKey:
-    """One entry per model fingerprint, namespace, token ids and seam width."""
+    """One entry per model fingerprint, namespace, token ids, seam width and anchor (what the isolated prefill ran
+    after: "" for nothing, else the sha256 of those ids)."""
 
     model: str
     namespace: str
     tokens: str        # sha256 of the token ids
     seam: int
+    anchor: str = ""
 
     @property
     def id(self) -> str:
-        h = hashlib.sha256(f"{self.model}|{self.namespace}|{self.tokens}|{self.seam}".encode()).hexdigest()
+        text = f"{self.model}|{self.namespace}|{self.tokens}|{self.seam}" + (f"|{self.anchor}" if self.anchor else "")
+        h = hashlib.sha256(text.encode()).hexdigest()
         return f"seg-{h[:24]}"
 
 
@@ -132,6 +136,8 @@ class SegmentEntry:
     layers: dict[int, Any]                      # layer -> LinearSummary | AttnKV
     prefill_s: float = 0.0                      # isolated prefill time (cost-aware eviction)
     created: float = field(default_factory=time.time)
+    origin: int = 0                             # the segment's first position in its isolated prefill (its anchor's
+                                                # length): RoPE'd linear states are stored there
 
     @property
     def cached_tokens(self) -> int:
@@ -169,7 +175,7 @@ class SegmentEntry:
     def describe(self) -> dict:
         return {"key": self.key.id, "namespace": self.key.namespace, "length": self.length, "seam": self.seam,
                 "cached_tokens": self.cached_tokens, "bytes": self.nbytes, "dtype": self.dtype,
-                "seam_ids": list(self.seam_ids), "prefill_s": round(self.prefill_s, 6)}
+                "seam_ids": list(self.seam_ids), "prefill_s": round(self.prefill_s, 6), "origin": self.origin}
 
 
 @dataclass

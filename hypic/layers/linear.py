@@ -633,7 +633,7 @@ class LinearMixer(nn.Module):
     def _applied(self, state, piece: Apply, exact: bool):
         summ: LinearSummary = piece.entry.layers[self.layer_idx]
         t, s = summ.T, summ.S
-        rot = self.key_rotation(piece.position - piece.entry.seam)   # the segment's start
+        rot = self.key_rotation(piece.position - piece.entry.seam - piece.entry.origin)   # from where it was stored
         if rot is not None:
             t, s = t.rotated(rot), rot @ s
         return compose(state, t, s, exact=exact)

@@ -27,6 +27,7 @@ class SegmentSlot:
     key: SegmentKey | None                     # None: the whole segment is a seam (nothing to cache)
     entry: SegmentEntry | None = None
     hit: bool = False
+    anchor: tuple[int, ...] = ()               # what its isolated prefill runs after (CachePolicy.anchor)
 
     @property
     def cached(self) -> bool:
@@ -71,8 +72,8 @@ class Planner:
         self.segments = segments
         self.prefix = prefix
 
-    def segment_key(self, tokens, seam: int, namespace: str, digest: str | None = None) -> SegmentKey:
-        return SegmentKey(self.fingerprint, namespace, digest or tokens_digest(tokens), seam)
+    def segment_key(self, tokens, seam: int, namespace: str, digest: str | None = None, anchor: str = "") -> SegmentKey:
+        return SegmentKey(self.fingerprint, namespace, digest or tokens_digest(tokens), seam, anchor)
 
     def plan(self, tp: TokenizedPrompt, policy: CachePolicy) -> PrefillPlan:
         plan = PrefillPlan(tp, policy)
@@ -81,10 +82,13 @@ class Planner:
         plan.boundary_keys = self.prefix.chain_keys(tp.namespace, plan.boundary_spans, tp.digest)
         plan.matched = self.prefix.match(plan.boundary_keys)
         if policy.uses_segments:
+            anchor = tuple(tp.prefix) if policy.anchor == "prefix" and tp.prefix else ()
+            anchor_digest = tp.digest(tp.prefix) if anchor else ""
             for seg in tp.segments:
                 w = min(policy.seam, len(seg))
-                key = self.segment_key(seg, policy.seam, tp.namespace, tp.digest(seg)) if w < len(seg) else None
-                slot = SegmentSlot(seg, w, key)
+                key = (self.segment_key(seg, policy.seam, tp.namespace, tp.digest(seg), anchor_digest)
+                       if w < len(seg) else None)
+                slot = SegmentSlot(seg, w, key, anchor=anchor)
                 if key is not None:
                     slot.entry = self.segments.get(key)
                     slot.hit = slot.entry is not None

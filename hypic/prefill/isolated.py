@@ -1,5 +1,8 @@
 """Cold prefill: segments computed in isolation (positions 0..L-1, zero states), all cold
-segments of a batch in one varlen forward, turned into SegmentEntries.
+segments of a batch in one varlen forward, turned into SegmentEntries. With an anchor
+(CachePolicy.anchor = "prefix"), each segment's sequence first runs the anchor's tokens (captured
+nowhere): the segment sits at positions A..A+L-1 after them, its linear layers start from the
+anchor's states and its attention layers see the anchor.
 
 Each segment is two runs: its first w tokens (the seam, recomputed at every reuse) and the
 cached part [w, L), whose run is summarized: T and S over [w, L) per linear layer, the conv
@@ -26,7 +29,9 @@ def prefill_segments(model, slots, device, forward=None) -> list[SegmentEntry]:
     works = []
     for slot in slots:
         items = [("run", list(slot.tokens[: slot.seam])), ("run", list(slot.tokens[slot.seam:]), {"summarize": True})]
-        works.append(builder.add(SeqState(capacity_hint=len(slot.tokens)), items, logits="none"))
+        if slot.anchor:                        # run first, captured nowhere: the segment's tokens attend to it
+            items.insert(0, ("run", list(slot.anchor)))
+        works.append(builder.add(SeqState(capacity_hint=len(slot.anchor) + len(slot.tokens)), items, logits="none"))
     batch = builder.build()
     t0 = time.perf_counter()
     (forward or model)(batch)
@@ -36,5 +41,5 @@ def prefill_segments(model, slots, device, forward=None) -> list[SegmentEntry]:
     for slot, work in zip(slots, works):
         cap = work.pieces[-1].captures              # the summarized run: layer -> LinearSummary | AttnKV
         entries.append(SegmentEntry(slot.key, tuple(slot.tokens[: slot.seam]), len(slot.tokens), slot.seam,
-                                    dict(cap), prefill_s=elapsed * len(slot.tokens) / total))
+                                    dict(cap), prefill_s=elapsed * len(slot.tokens) / total, origin=len(slot.anchor)))
     return entries

@@ -203,9 +203,10 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     def make_job(prompt: Prompt, params: SamplingParams, body):
         try:
             (req,) = llm.make_requests([prompt], [params])
-            if body.cache_mode is not None or body.seam is not None:
+            if body.cache_mode is not None or body.seam is not None or body.anchor is not None:
                 req.policy = CachePolicy(CacheMode.parse(body.cache_mode or llm.policy.mode),
-                                         llm.policy.seam if body.seam is None else body.seam)
+                                         llm.policy.seam if body.seam is None else body.seam,
+                                         llm.policy.anchor if body.anchor is None else body.anchor)
         except HypicError as e:
             raise ApiError(400, str(e)) from None
         if len(req.prompt) + params.max_tokens > cfg.max_position_embeddings:
@@ -312,7 +313,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     @app.get("/admin/stats", dependencies=[Depends(auth)])
     async def admin_stats():
         return {"store": llm.cache_stats(), "scheduler": scheduler.stats(), "policy": {
-            "cache_mode": llm.cache_mode, "seam": llm.policy.seam}}
+            "cache_mode": llm.cache_mode, "seam": llm.policy.seam, "anchor": llm.policy.anchor}}
 
     @app.get("/admin/segments", dependencies=[Depends(auth)])
     async def admin_segments():

@@ -5,7 +5,7 @@ Extensions, all optional:
                           the query. In chat, they go before the text of the last user message.
     prefix: str           (completions) a shared prefix served by the exact prefix cache
     namespace: str        tenant isolation of the segment cache
-    cache_mode, seam      per-request overrides of the server's cache policy
+    cache_mode, seam, anchor   per-request overrides of the server's cache policy (anchor: "none" | "prefix")
     top_k, ignore_eos, stop_token_ids   as in vLLM
 In chat messages a text content part can be marked reusable:
     {"type": "text", "text": "<document>", "segment": true}
@@ -45,6 +45,7 @@ class _Sampling(BaseModel):
     namespace: Optional[StrictStr] = None
     cache_mode: Optional[StrictStr] = None     # per-request override: full | prefix | naive | pic
     seam: Optional[StrictInt] = None           # per-request seam width
+    anchor: Optional[StrictStr] = None         # per-request: what segments are prefilled after (none | prefix)
     user: Optional[StrictStr] = None
 
 
