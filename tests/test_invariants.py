@@ -105,6 +105,25 @@ def test_anchor_prefix_makes_one_segment_after_a_prefix_exact(llm):
     assert _decode(llm, p, "pic", seam=8).cold_prefill_tokens > 0      # unanchored entries are others
 
 
+def test_anchored_entry_from_the_prefix_cache_equals_running_the_prefix(llm):
+    """An anchored cold segment starts from its prefix's cached state (engine stage 2) instead of running the
+    prefix again; the entry is the same as with the prefix run in the isolated prefill (the fallback when no prefix
+    node is cached), up to summation order (1e-5 relative per tensor, fp32)."""
+    from hypic.prefill.isolated import prefill_segments
+
+    p = Prompt(prefix=rand_ids(12, 40), segments=[rand_ids(60, 41)], query=rand_ids(4, 42))
+    llm.set_policy("pic", 8, anchor="prefix")
+    llm.generate([p], SamplingParams(max_tokens=1))
+    (req,) = llm.make_requests([p], [SamplingParams(max_tokens=1)])
+    slot = llm.engine.planner.plan(req.prompt, req.policy).slots[0]
+    assert slot.hit and slot.entry.origin == 12
+    (ran,) = prefill_segments(llm.engine.model, [slot], llm.engine.device)
+    cached = dict(slot.entry.tensors())
+    for name, t in ran.tensors():
+        ref = cached[name].float()
+        assert (t.float() - ref).norm() <= 1e-5 * ref.norm() + 1e-7, name
+
+
 def test_prefix_mode_equals_full(llm):
     """Invariant 5: prefix-cache mode == full recompute, cold and with a partial chain hit."""
     p = _prompt(seed=2)

@@ -19,19 +19,24 @@ from ..runtime.batch import BatchBuilder
 from ..runtime.state import SeqState
 
 
-def prefill_segments(model, slots, device, forward=None) -> list[SegmentEntry]:
+def prefill_segments(model, slots, device, forward=None, starts=None) -> list[SegmentEntry]:
     """slots: distinct cold SegmentSlots. Returns their entries in the same order. forward: what runs the
     batch (default: the model's inference forward; training passes `model.logits`, so the entries keep
-    their gradients)."""
+    their gradients). starts: per slot, None or the SeqState after its anchor (restored from the prefix
+    cache), which then does not run again."""
     if not slots:
         return []
     builder = BatchBuilder(device)
     works = []
-    for slot in slots:
+    for i, slot in enumerate(slots):
         items = [("run", list(slot.tokens[: slot.seam])), ("run", list(slot.tokens[slot.seam:]), {"summarize": True})]
-        if slot.anchor:                        # run first, captured nowhere: the segment's tokens attend to it
+        start = starts[i] if starts is not None else None
+        if start is not None and start.length != len(slot.anchor):
+            raise ValueError(f"a start state of {start.length} tokens for an anchor of {len(slot.anchor)}")
+        if slot.anchor and start is None:      # run first, captured nowhere: the segment's tokens attend to it
             items.insert(0, ("run", list(slot.anchor)))
-        works.append(builder.add(SeqState(capacity_hint=len(slot.anchor) + len(slot.tokens)), items, logits="none"))
+        st = start or SeqState(capacity_hint=len(slot.anchor) + len(slot.tokens))
+        works.append(builder.add(st, items, logits="none"))
     batch = builder.build()
     t0 = time.perf_counter()
     (forward or model)(batch)

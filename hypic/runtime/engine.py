@@ -94,11 +94,20 @@ class Engine:
                 p.matched = [node]
 
     def _cold_segments(self, plans: list[PrefillPlan]) -> None:
-        distinct = {}
+        distinct, after = {}, {}
         for p in plans:
             for slot in p.cold_slots:
-                distinct.setdefault(slot.key, slot)
-        entries = dict(zip(distinct, prefill_segments(self.model, list(distinct.values()), self.device)))
+                if slot.key in distinct:
+                    continue
+                distinct[slot.key] = slot
+                # an anchored slot starts from its prefix's cached state (stage 2 made it if it was missing)
+                # instead of running the prefix again for every segment
+                if slot.anchor and p.matched and p.matched[-1].end == len(slot.anchor):
+                    after[slot.key] = p.matched
+        slots = list(distinct.values())
+        starts = [self._state_from(after[s.key], len(s.anchor) + len(s.tokens)) if s.key in after else None
+                  for s in slots]
+        entries = dict(zip(distinct, prefill_segments(self.model, slots, self.device, starts=starts)))
         for key, entry in entries.items():
             self.segments.put(key, entry)
         for p in plans:
