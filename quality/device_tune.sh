@@ -12,7 +12,7 @@
 # TAG       prefix of the result files ($OUT/<TAG>_<set>.jsonl: the set's shards joined)
 # DEADLINE  seconds after the start at which the evaluation is stopped (what it wrote comes back)
 # DEVICE    cuda (default), or cpu for a dry run of the script
-# PACK=1    also bring the tuned weights back: one tar in 15 MB parts (a returned file is capped at 16 MiB)
+# PACK=1    also bring the weights back (tuned, else MODEL): one tar in 15 MB parts (a returned file is capped at 16 MiB)
 # The data: .data/corpus_train (train.bin.xz, meta.json, tokenizer.json of .data/corpus) and .data/corpus_eval
 # (eval_<set>.jsonl, tokenizer.json, meta.json), each under the 64 MiB the working tree may carry.
 set -u
@@ -68,8 +68,10 @@ if [ -n "${SETS:-}" ]; then
   grep -h "capture failed" "$KEEP"/eval_*.log | sort | uniq -c
   python3 quality/eval_pic.py --report "$OUT"/"${TAG}"_*.jsonl
 fi
-if [ "${PACK:-0}" = 1 ] && [ -n "${TUNE:-}" ]; then
-  tar -cf - -C "$KEEP" model | split -b 15000000 -d -a 1 - "$OUT/weights.tar.part"
+# the weights just tuned, or (no TUNE) the model evaluated, e.g. MODEL=/tmp/kp/model from an earlier call
+# (run 81 asked for PACK=1 without a tune and got nothing back)
+if [ "${PACK:-0}" = 1 ]; then
+  tar -cf - -C "$(dirname "$EVAL_MODEL")" "$(basename "$EVAL_MODEL")" | split -b 15000000 -d -a 1 - "$OUT/weights.tar.part"
 fi
 ls -la "$OUT"
 echo "total $(( $(date +%s) - START )) s"
