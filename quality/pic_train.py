@@ -47,11 +47,12 @@ class Example:
     answer: list[bool]          # per query token: it is an answer token (its prediction is scored)
 
 
-def _items_of(model, examples: list[Example], mode: str, seam: int, device):
+def _items_of(model, examples: list[Example], mode: str, seam: int, device, anchor: bool = False):
     """Each example's batch items under `mode`, and (pic) the isolated entries by (example, document).
 
-    pic    every document longer than the seam prefilled alone (hypic's isolated prefill), then its seam run and
-           its entry applied; shorter ones recomputed whole
+    pic    every document longer than the seam prefilled alone (hypic's isolated prefill; with `anchor`, after the
+           example's prefix, as CachePolicy.anchor = "prefix"), then its seam run and its entry applied; shorter
+           ones recomputed whole
     full   the prompt in one ordinary forward
     full+  the same forward with each such document split as pic splits it, its part after the seam summarized
            in context: the run's captures are what isolated prefill would have to cache for `pic` to equal
@@ -64,7 +65,8 @@ def _items_of(model, examples: list[Example], mode: str, seam: int, device):
     if mode == "pic":
         # the engine's isolated prefill, run through the differentiable forward: documents within the seam
         # have nothing to cache and are recomputed whole below
-        cold = {(e, d): SegmentSlot(tuple(doc), min(seam, len(doc)), SegmentKey("train", "train", f"{e}.{d}", seam))
+        cold = {(e, d): SegmentSlot(tuple(doc), min(seam, len(doc)), SegmentKey("train", "train", f"{e}.{d}", seam),
+                                    anchor=tuple(ex.prefix) if anchor else ())
                 for e, ex in enumerate(examples) for d, doc in enumerate(ex.docs) if seam < len(doc)}
         entries = dict(zip(cold, prefill_segments(model, list(cold.values()), device, forward=model.logits)))
         for e, ex in enumerate(examples):
@@ -122,11 +124,11 @@ def _answer_loss(model, examples: list[Example], items_of, device, parts: int = 
     return [ce[group == g].mean() for g in range(parts)], works
 
 
-def example_loss(model, examples: list[Example], mode: str, seam: int, device) -> torch.Tensor:
+def example_loss(model, examples: list[Example], mode: str, seam: int, device, anchor: bool = False) -> torch.Tensor:
     """Mean cross-entropy of the answer tokens of `examples` under `mode` ("pic" or "full")."""
     if mode not in ("pic", "full"):
         raise ValueError(mode)
-    items_of, _ = _items_of(model, examples, mode, seam, device)
+    items_of, _ = _items_of(model, examples, mode, seam, device, anchor)
     return _answer_loss(model, examples, items_of, device)[0]
 
 
@@ -166,9 +168,9 @@ def capture_gap(entries: dict, works: list, examples: list[Example]) -> torch.Te
     return torch.stack(terms).mean()
 
 
-def consistency_losses(model, examples: list[Example], seam: int, device):
+def consistency_losses(model, examples: list[Example], seam: int, device, anchor: bool = False):
     """(pic answer loss, full answer loss, capture gap) of the same examples, their graphs alive together."""
-    items_p, entries = _items_of(model, examples, "pic", seam, device)
+    items_p, entries = _items_of(model, examples, "pic", seam, device, anchor)
     items_f, _ = _items_of(model, examples, "full+", seam, device)
     # both modes' sequences in one forward: on the GPU the tune is bound by the count of launched ops (quality/
     # NOTES.md, fifteenth session), which one batch of 2N sequences keeps at about one forward's
@@ -271,6 +273,8 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--pic-share", type=float, default=0.5, help="share of examples run under pic")
     ap.add_argument("--seams", default="0,4,8", help="seam widths drawn per pic batch")
+    ap.add_argument("--anchor", default="none", choices=["none", "prefix"],
+                    help="prefill each document after its example's prefix (the engine's CachePolicy.anchor)")
     ap.add_argument("--mix", default="twohop=0.4,needle=0.2,kc=0.2,facts=0.2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=0, help="also save the checkpoint every N steps (0: at the end)")
@@ -310,6 +314,7 @@ def main():
                           "of": len(P.twohop_q)}), flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     seams = [int(s) for s in args.seams.split(",")]
+    anchored = args.anchor == "prefix"
     rng = np.random.default_rng(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -326,11 +331,11 @@ def main():
         opt.zero_grad(set_to_none=True)
         try:
             if args.consist > 0:
-                lp, lf, lc = consistency_losses(model, exs, seam, args.device)
+                lp, lf, lc = consistency_losses(model, exs, seam, args.device, anchored)
                 ((lp + lf) / 2 + args.consist * lc).backward()
                 losses.update(pic=round(lp.item(), 4), full=round(lf.item(), 4), gap=round(lc.item(), 5))
             elif n_pic:
-                lp = example_loss(model, exs[:n_pic], "pic", seam, args.device)
+                lp = example_loss(model, exs[:n_pic], "pic", seam, args.device, anchored)
                 (lp * n_pic / len(exs)).backward()
                 losses["pic"] = round(lp.item(), 4)
             if not args.consist and n_pic < len(exs):

@@ -59,6 +59,20 @@ def test_pic_with_covering_seam_equals_full_in_loss_and_gradients(hf_checkpoints
     assert all(g0[n].abs().sum() > 0 for n in g0 if "layers.0." in n)
 
 
+def test_anchored_pic_with_one_document_after_the_prefix_equals_full(hf_checkpoints):
+    """--anchor prefix: each document's isolated prefill runs after its example's prefix (the engine's
+    CachePolicy.anchor), so one document after a prefix is exact in the trainer too; unanchored it is not."""
+    pt = _pic_train()
+    model = LLM(str(hf_checkpoints["qwen3_5"][1])).engine.model
+    q, a = rand_ids(6, 62), rand_ids(4, 63)
+    exs = [pt.Example(rand_ids(5, 60), [rand_ids(23, 61)], q + a, [False] * 6 + [True] * 4)]
+    with torch.no_grad():
+        lf = pt.example_loss(model, exs, "full", 0, "cpu").item()
+        la = pt.example_loss(model, exs, "pic", 2, "cpu", anchor=True).item()
+        lu = pt.example_loss(model, exs, "pic", 2, "cpu").item()
+    assert abs(la - lf) < 1e-5 and abs(lu - lf) > 1e-4
+
+
 def test_a_few_pic_steps_lower_the_pic_loss(hf_checkpoints):
     pt = _pic_train()
     model = LLM(str(hf_checkpoints["qwen3_5"][1])).engine.model
