@@ -35,7 +35,7 @@ def prefill_segments(model, slots, device, forward=None, starts=None) -> list[Se
             raise ValueError(f"a start state of {start.length} tokens for an anchor of {len(slot.anchor)}")
         if slot.anchor and start is None:      # run first, captured nowhere: the segment's tokens attend to it
             items.insert(0, ("run", list(slot.anchor)))
-        st = start or SeqState(capacity_hint=len(slot.anchor) + len(slot.tokens))
+        st = start if start is not None else SeqState(capacity_hint=len(slot.anchor) + len(slot.tokens))
         works.append(builder.add(st, items, logits="none"))
     batch = builder.build()
     t0 = time.perf_counter()
