@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from .config import ANCHORS
 from .errors import HypicError
 
 
@@ -29,7 +30,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seam", type=int, default=8)
-    p.add_argument("--anchor", default="none", choices=["none", "prefix"],
+    p.add_argument("--anchor", default="none", choices=ANCHORS,
                    help="what a segment's isolated prefill runs after: nothing, or the request's prefix")
 
 

@@ -573,6 +573,12 @@ class CachePolicy:
         if self.anchor not in ANCHORS:
             raise ConfigError(f"unknown anchor {self.anchor!r}; use one of {', '.join(map(repr, ANCHORS))}")
 
+    def updated(self, mode=None, seam: int | None = None, anchor: str | None = None) -> "CachePolicy":
+        """This policy with the fields given replaced (None, or an empty mode, keeps a field); `mode` as
+        CacheMode.parse takes it. The API's set_policy and the server's per-request overrides both go through it."""
+        return CachePolicy(CacheMode.parse(mode or self.mode), self.seam if seam is None else seam,
+                           self.anchor if anchor is None else anchor)
+
     @property
     def uses_segments(self) -> bool:
         return self.mode in (CacheMode.PIC, CacheMode.NAIVE)

@@ -64,9 +64,7 @@ class LLM:
 
     def set_policy(self, cache_mode: str | None = None, seam: int | None = None, anchor: str | None = None) -> None:
         """Switch mode / seam / anchor for later requests (caches are kept; entries are keyed by seam and anchor)."""
-        p = CachePolicy(CacheMode.parse(cache_mode or self.policy.mode), self.policy.seam if seam is None else seam,
-                        self.policy.anchor if anchor is None else anchor)
-        self.config = self.config.replace(policy=p)
+        self.config = self.config.replace(policy=self.policy.updated(cache_mode, seam, anchor))
         self.engine.config = self.config
 
     # -- requests -------------------------------------------------------------------------------

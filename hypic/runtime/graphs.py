@@ -89,4 +89,3 @@ def host_read_site(model, batch) -> str | None:
         torch.cuda.set_sync_debug_mode(prev)
         batch.scratch.clear()
     return None
-

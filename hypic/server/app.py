@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import CacheMode, CachePolicy
 from ..errors import HypicError, InvalidRequestError
 from ..runtime.scheduler import Job, QueueFullError, Scheduler, SchedulerClosedError, SchedulerConfig
 from ..types import Prompt, SamplingParams
@@ -204,9 +203,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         try:
             (req,) = llm.make_requests([prompt], [params])
             if body.cache_mode is not None or body.seam is not None or body.anchor is not None:
-                req.policy = CachePolicy(CacheMode.parse(body.cache_mode or llm.policy.mode),
-                                         llm.policy.seam if body.seam is None else body.seam,
-                                         llm.policy.anchor if body.anchor is None else body.anchor)
+                req.policy = llm.policy.updated(body.cache_mode, body.seam, body.anchor)
         except HypicError as e:
             raise ApiError(400, str(e)) from None
         if len(req.prompt) + params.max_tokens > cfg.max_position_embeddings:
