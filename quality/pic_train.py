@@ -18,8 +18,9 @@ loss and gradients (tests/test_pic_train.py), which pins the differentiable path
     python quality/pic_train.py --model checkpoints/qwen35-gdn-15m --out out/gdn-pic --minutes 10 \\
         --device cuda --mix twohop=0.4,needle=0.2,kc=0.2,facts=0.2
 
-Tasks: kc, twohop, needle, facts (quality/train.py's generators, one question each) and twohop_hard (the
-two-hop sub-case that `pic` fails, with ~8 documents: see hard_twohop_questions).
+Tasks: kc, twohop, needle, facts (quality/train.py's generators, one question each), twohop_hard (the
+two-hop sub-case that `pic` fails, with ~8 documents: see hard_twohop_questions) and twohop_fresh (two-hop
+pairs made on the fly, so they cannot be answered from memory: FreshTwoHop).
 """
 
 from __future__ import annotations
@@ -219,9 +220,58 @@ def twohop_hard(maker, hard_q: np.ndarray):
     return docs, [(P.get("g_q", q), P.get("g_a", q), 0)]
 
 
+class FreshTwoHop:
+    """Two-hop examples made on the fly by build_corpus's own generator (two_hop, fact_doc): people, places and
+    jobs drawn anew for every example, so no answer can come from memory.
+
+    The training pool holds 60,000 fixed two-hop pairs which the base training read many times; a model can
+    answer those from its weights without reading the documents, and then a PIC tune on them teaches nothing
+    about reading across isolated documents (the pool's loss is near zero under `pic` as under `full`:
+    quality/NOTES.md). Fresh pairs carry that signal. The evaluation sets are drawn by the same generator from
+    their own seeds (build_corpus.make_eval_sets); a fresh draw is a new made-up person, not an evaluation
+    passage (two syllable-built full names colliding with an evaluation's, with the same relation, is
+    negligible). `hard`: share of examples forced into the sub-case `pic` fails (a job question whose job
+    sentence opens document B: see hard_twohop_questions). Tokenized as build_corpus tokenizes (each span
+    alone: "Document: <sentences>\n", "Question: <q>\nAnswer:", " <answer>" + eos)."""
+
+    def __init__(self, tokenizer_path, seed: int, hard: float = 0.0):
+        import random
+
+        from tokenizers import Tokenizer
+
+        sys.path.insert(0, str(ROOT / "quality" / "data"))
+        import build_corpus as bc
+
+        self.bc, self.hard = bc, hard
+        self.tok = Tokenizer.from_file(str(tokenizer_path))
+        self.eos = self.tok.token_to_id(bc.EOS)
+        self.rng = random.Random(seed)
+
+    def _ids(self, s: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(s, add_special_tokens=False).ids, np.int64)
+
+    def pair(self, hard: bool):
+        bc = self.bc
+        while True:
+            sa, sb, q, ans = bc.two_hop(self.rng)
+            if not hard or (q.startswith("What is the job of") and " works as a " in sb[0]):
+                return sa, sb, q, ans
+
+    def __call__(self, k: int):
+        """Documents (A, B, then k - 2 fresh fact documents; examples_from shuffles the order) and the question."""
+        bc = self.bc
+        sa, sb, q, ans = self.pair(self.rng.random() < self.hard)
+        texts = [" ".join(sa), " ".join(sb)]
+        texts += [" ".join(f[0] for f in bc.fact_doc(self.rng)[1]) for _ in range(max(0, k - 2))]
+        docs = [self._ids(f"{bc.DOC_HEAD} {t}\n") for t in texts]
+        answer = np.concatenate([self._ids(" " + ans), [self.eos]])
+        return docs, [(self._ids(f"Question: {q}\nAnswer:"), answer, 0)]
+
+
 def examples_from(maker, n: int, budget: int) -> list[Example]:
-    """n structured examples from quality/train.py's RowMaker (its task mix and k choices), plus the task
-    `twohop_hard` (needs maker.twohop_hard_q, set by main)."""
+    """n structured examples from quality/train.py's RowMaker (its task mix and k choices), plus the tasks
+    `twohop_hard` (needs maker.twohop_hard_q, set by main) and `twohop_fresh` (maker.fresh_twohop, a FreshTwoHop;
+    k from HARD_K)."""
     out = []
     P, r = maker.P, maker.rng
     while len(out) < n:
@@ -230,7 +280,8 @@ def examples_from(maker, n: int, budget: int) -> list[Example]:
         nq = 1
         docs, qas = {"kc": maker.kc, "twohop": maker.twohop, "needle": maker.needle,
                      "facts": lambda k, nq: maker.generic(P.fact_docs, k, nq),
-                     "twohop_hard": lambda k, nq: twohop_hard(maker, maker.twohop_hard_q)}[task](k, nq)
+                     "twohop_hard": lambda k, nq: twohop_hard(maker, maker.twohop_hard_q),
+                     "twohop_fresh": lambda k, nq: maker.fresh_twohop(int(r.choice(HARD_K)))}[task](k, nq)
         if not qas:
             continue
         total = len(P.prefix) + sum(len(d) for d in docs) + sum(len(q) + len(a) for q, a, _ in qas)
@@ -288,6 +339,8 @@ def main():
     ap.add_argument("--consist", type=float, default=0.0,
                     help="weight of the capture-gap loss (capture_gap); > 0: every example runs under both pic and "
                          "full (--pic-share is then unused) and the step's loss is (pic + full) / 2 + consist x gap")
+    ap.add_argument("--fresh-hard", type=float, default=0.0,
+                    help="task twohop_fresh: share of its examples in the sub-case pic fails (job question, job first)")
     ap.add_argument("--max-steps", type=int, default=0,
                     help="stop after N steps, the LR schedule by step (reproducible); 0: by --minutes and time")
     args = ap.parse_args()
@@ -312,6 +365,8 @@ def main():
         maker.twohop_hard_q = hard_twohop_questions(P, Path(args.data) / "tokenizer.json")
         print(json.dumps({"event": "twohop_hard", "questions": len(maker.twohop_hard_q),
                           "of": len(P.twohop_q)}), flush=True)
+    if "twohop_fresh" in mix:
+        maker.fresh_twohop = FreshTwoHop(Path(args.data) / "tokenizer.json", args.seed, args.fresh_hard)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     seams = [int(s) for s in args.seams.split(",")]
     anchored = args.anchor == "prefix"

@@ -248,3 +248,48 @@ def test_state_carry_sees_state_cross_documents_only_where_the_gates_keep_it(tmp
     rows = _state_carry(tmp_path / "fast", monkeypatch, fast, DOCS)
     for r in rows:
         assert r["decay"] == 0 and r["t_norm"] == 0 and r["carried"] == 0 and r["naive_err"] > 0.01
+
+
+def _byte_tokenizer(path):
+    """A byte-level BPE tokenizer with <|endoftext|> as id 0 (as build_corpus's), trained on a few lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["Document: Kaba Ro lives in Torburg. Kaba works as a pilot.",
+                             "Question: What is the job of Mi Ten's sister?\nAnswer: pilot"], trainer)
+    tok.save(str(path))
+    return tok
+
+
+def test_fresh_two_hop_pairs_are_new_and_hard_ones_put_the_job_first(tmp_path):
+    """pic_train.FreshTwoHop: build_corpus's generator on the fly, tokenized span by span as the corpus is; with
+    hard=1 every question asks for B's job with B's job sentence first; no two examples share a person."""
+    tok = _byte_tokenizer(tmp_path / "tokenizer.json")
+    from pic_train import FreshTwoHop
+
+    eos = tok.token_to_id("<|endoftext|>")
+    hard = FreshTwoHop(tmp_path / "tokenizer.json", seed=1, hard=1.0)
+    seen = set()
+    for k in (2, 6, 8):
+        docs, qas = hard(k)
+        assert len(docs) == k and len(qas) == 1
+        q, a, gold = qas[0]
+        text = [tok.decode(d.tolist()) for d in docs]
+        assert all(t.startswith("Document: ") and t.endswith("\n") for t in text)
+        b = text[1]
+        assert 0 <= b.find(" works as a ") < b.find(" lives in ")
+        question = tok.decode(q.tolist())
+        assert question.startswith("Question: What is the job of ") and question.endswith("\nAnswer:")
+        assert a[-1] == eos and tok.decode(a[:-1].tolist()).strip() in b and gold == 0
+        for d in docs:                                    # each span tokenized alone, as build_corpus does
+            assert d.tolist() == tok.encode(tok.decode(d.tolist()), add_special_tokens=False).ids
+        name = b[len("Document: "):].split(" works as")[0]
+        assert name not in seen
+        seen.add(name)
+    plain = FreshTwoHop(tmp_path / "tokenizer.json", seed=1, hard=0.0)
+    kinds = {tok.decode(plain(2)[1][0][0].tolist())[:24] for _ in range(40)}
+    assert kinds == {"Question: In which city ", "Question: What is the jo"}        # both questions of two_hop
