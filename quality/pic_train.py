@@ -20,7 +20,7 @@ loss and gradients (tests/test_pic_train.py), which pins the differentiable path
 
 Tasks: kc, twohop, needle, facts (quality/train.py's generators, one question each), twohop_hard (the
 two-hop sub-case that `pic` fails, with ~8 documents: see hard_twohop_questions) and twohop_fresh (two-hop
-pairs made on the fly, so they cannot be answered from memory: FreshTwoHop).
+pairs made on the fly, never repeated: FreshTwoHop).
 """
 
 from __future__ import annotations
@@ -224,10 +224,11 @@ class FreshTwoHop:
     """Two-hop examples made on the fly by build_corpus's own generator (two_hop, fact_doc): people, places and
     jobs drawn anew for every example, so no answer can come from memory.
 
-    The training pool holds 60,000 fixed two-hop pairs which the base training read many times; a model can
-    answer those from its weights without reading the documents, and then a PIC tune on them teaches nothing
-    about reading across isolated documents (the pool's loss is near zero under `pic` as under `full`:
-    quality/NOTES.md). Fresh pairs carry that signal. The evaluation sets are drawn by the same generator from
+    The training pool holds 60,000 fixed two-hop pairs which the base training read many times. Made to test
+    whether the GDN model answers those from its weights (so that a PIC tune on them could teach nothing about
+    reading across isolated documents): it does not; on the hard sub-case pool and fresh pairs score alike
+    under `pic` (quality/twohop_probe.py, quality/NOTES.md "Twenty-third session"). Kept as the task whose loss
+    is a held-out loss: no example repeats. The evaluation sets are drawn by the same generator from
     their own seeds (build_corpus.make_eval_sets); a fresh draw is a new made-up person, not an evaluation
     passage (two syllable-built full names colliding with an evaluation's, with the same relation, is
     negligible). `hard`: share of examples forced into the sub-case `pic` fails (a job question whose job

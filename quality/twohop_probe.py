@@ -11,7 +11,8 @@ of three kinds of examples with the same shape (A, B and k - 2 fact documents, s
     fresh-hard   the same sub-case made on the fly (pic_train.FreshTwoHop, hard=1)
     fresh        fresh pairs of every sub-case (hard=0)
 
-under `full` and `pic` (seam 8). Prints a table, writes JSON.
+under `full` and `pic` (seam 8). Prints a table, writes JSON. Outcome on qwen35-gdn-15m-long-pic (docs/quality.md
+"Twenty-third session"): pool and fresh hard pairs score alike under `pic` (81.0 / 82.0 of 200): refuted.
 
     python quality/twohop_probe.py --model checkpoints/qwen35-gdn-15m-long-pic --n 200 \\
         --out quality/results/twohop_probe_gdn-long-pic.json
