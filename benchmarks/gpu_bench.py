@@ -357,6 +357,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("order_keys_by_torch", flag(_fast, "ORDER_KERNEL", False), {})]      # before run 77
     if _tr is not None:
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
+    if _ts is not None:             # each chain step's map loaded during the step before it (twenty-third session)
+        variants += [("scan_prefetch", flag(_ts, "PREFETCH", True), {})]
     from hypic.runtime import compose_graph as _cg
 
     # the graph in one piece (the whole fill, then one launch, as before run 34); a short first piece

@@ -193,19 +193,22 @@ def test_triton_scan_steps_matches_fp64():
     from triton.runtime.errors import OutOfResources
 
     built = []
-    for cfg in triton_scan._CONFIGS:                 # a configuration that cannot be built is skipped, as the tuner does
+    # (the prefetching form, gpu_bench's scan_prefetch, in the configurations it would be tuned over: stages unused)
+    forms = [(cfg, False) for cfg in triton_scan._CONFIGS] + [(cfg, True) for cfg in triton_scan._CONFIGS if cfg[2] == 1]
+    for cfg, pre in forms:                           # a configuration that cannot be built is skipped, as the tuner does
         for correct in (False, True):
             try:
                 if correct:
                     got = outs.clone()
                     triton_scan.scan_steps(init, steps, cu, runs, E + N, outputs=got, max_run=L, bv=cfg[0],
-                                           warps=cfg[1], stages=cfg[2])
+                                           warps=cfg[1], stages=cfg[2], prefetch=pre)
                 else:
                     b1, f1 = triton_scan.scan_steps(init, steps[:, :4].contiguous(), cu, runs, E + N, bv=cfg[0],
-                                                    warps=cfg[1], stages=cfg[2])
+                                                    warps=cfg[1], stages=cfg[2], prefetch=pre)
             except OutOfResources:            # H200 run 41: (64, 8, 2) with the correction needs 279 KB of shared memory
                 continue
-            built.append((cfg, correct))
+            if not pre:
+                built.append((cfg, correct))
             if correct:
                 assert rel(got[..., :V], want) < 1e-5, cfg
             else:
@@ -628,6 +631,16 @@ assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6
 got = outs.clone()
 triton_scan.scan_steps(init, steps6, cu, runs, E + N, outputs=got, max_run=run_len, bv=16, stages=1)
 assert rel(got[..., :V], want) < 1e-6
+for bv in (16, 32):                              # the prefetching form (gpu_bench's scan_prefetch), both tables
+    b1, f1 = triton_scan.scan_steps(init, steps, cu, runs, E + N, bv=bv, prefetch=True)
+    assert rel(f1, f0) < 1e-6 and rel(b1[E:], b0[E:]) < 1e-6, bv
+    got = outs.clone()
+    triton_scan.scan_steps(init, steps6, cu, runs, E + N, outputs=got, max_run=run_len, bv=bv, prefetch=True)
+    assert rel(got[..., :V], want) < 1e-6, bv
+one = torch.tensor([0, 1, 1], dtype=torch.int32)  # a one-step chain and an empty one
+b1, f1 = triton_scan.scan_steps(init, steps, one, runs, E + N, prefetch=True)
+bo, fo = sc.scan_dense_reference(init.double(), T.double(), S.double(), one, order, runs.double())
+assert rel(f1, fo) < 1e-6 and torch.equal(f1[1], init[1])
 from hypic.ops import triton_attention
 from hypic.ops.reference import position_attention
 for nq, h, hkv, d, nk in ((13, 4, 2, 32, 300), (5, 2, 2, 16, 70)):

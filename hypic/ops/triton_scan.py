@@ -206,10 +206,42 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
 
 
 @triton.jit
+def _dense_rest(x, t, s, is_run, row, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
+    """A dense step after its map (t, s) was loaded: the run's correction or its `before` slot, then T x + S (as
+    _chain_step's dense form)."""
+    if CORRECT:
+        uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
+        u = tl.load(uptr, mask=mu, other=0.0)
+        o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
+        if is_run:
+            corr = tl.dot(u.to(tl.float32), x, input_precision=PREC)
+            tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mo)
+    else:
+        slot = tl.load(row + 3)
+        tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
+    return tl.dot(t, x, input_precision=PREC) + s
+
+
+@triton.jit
+def _dense_next(j, j1, steps, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K: tl.constexpr,
+                V: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr):
+    """Step j's map (t, s) and kind, loaded ahead of the step before it (PREFETCH); past the chain's end (j = j1)
+    the last step's row is read again, its values unused."""
+    row = steps + tl.minimum(j, j1 - 1).to(tl.int64) * W
+    tv = tl.load(row)
+    sv = tl.load(row + 1)
+    is_run = tl.load(row + 2) != 0
+    t, s = _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
+    return t, s, is_run
+
+
+@triton.jit
 def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                        STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
-                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr = False):
+                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr = False,
+                       PREFETCH: tl.constexpr = False):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -226,7 +258,19 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
     x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     j0 = tl.load(cu + r)
     j1 = tl.load(cu + r + 1)
-    if STAGES > 1:
+    if PREFETCH:                # dense maps: each step's map loaded during the step before it, by hand
+        if j0 < j1:
+            t_n, s_n, run_n = _dense_next(j0, j1, steps, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V,
+                                          W, EVEN)
+            j = j0
+            while j < j1:
+                t, s, is_run = t_n, s_n, run_n
+                t_n, s_n, run_n = _dense_next(j + 1, j1, steps, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv,
+                                              m_kk, K, V, W, EVEN)
+                x = _dense_rest(x, t, s, is_run, steps + j.to(tl.int64) * W, before, ou, s_ot, s_oh, h, rk, rv,
+                                off_kv, m_kv, H, K, V, PREC, CORRECT, BT)
+                j += 1
+    elif STAGES > 1:
         for j in tl.range(j0, j1, num_stages=STAGES):
             x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
                             off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
@@ -238,6 +282,11 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
             j += 1
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
+
+# scan_steps' dense form with each step's map loaded during the step before it (`_dense_next`), against Triton's own
+# pipelining of the loop, which a branch on the map's kind may defeat: off until measured on the GPU (gpu_bench's
+# variant `scan_prefetch`, docs/gpu-notes.md "Twenty-third session")
+PREFETCH = False
 
 COMPILED: dict = {}          # the last launched compiled kernel per kind ("steps"): its n_regs / n_spills for gpu_check
 
@@ -325,7 +374,7 @@ def split_tf32(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
                outputs: torch.Tensor | None = None, max_run: int = 16, factors: torch.Tensor | None = None,
                split: bool = False, bv: int | None = None, warps: int | None = None, stages: int | None = None,
-               tune: bool = True, precision: str = "tf32x3"):
+               tune: bool = True, precision: str = "tf32x3", prefetch: bool | None = None):
     """The compose pass's form: chains described step by step, no map copied.
 
     init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
@@ -343,8 +392,13 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     (column 0) naming T's tf32 part and column 6 the rest, and its step is three tf32 products of those with the
     state's two parts, so no split of T happens in the step and both parts can feed the products from shared memory
     (an experiment: benchmarks/scan_bench.py `split`; no cache keeps split maps).
+    prefetch (dense maps only; None: the module's PREFETCH): each step's map loaded during the step before it; the
+    pipeline depth (stages) is then unused.
     Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
     r, h, k, v = init.shape
+    prefetch = PREFETCH if prefetch is None else prefetch
+    if prefetch and factors is not None:
+        raise ValueError("prefetch is for dense maps (no factors)")
     init = init.float().contiguous()
     width = v if factors is not None else v + k
     if not (runs.is_contiguous() and runs.dtype == torch.float32 and runs.shape[-1] == width):
@@ -375,11 +429,12 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         b, w, st = cfg
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
             init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
-            STAGES=st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None, BF=bf,
-            EVEN=bk == k and v % b == 0, SPLIT=split, num_warps=w)
+            STAGES=1 if prefetch else st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None,
+            BF=bf, EVEN=bk == k and v % b == 0, SPLIT=split, PREFETCH=prefetch, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
-    form = "steps" if factors is None else ("steps+factors" + ("+split" if split else ""))
+    form = ("steps+prefetch" if prefetch else "steps") if factors is None else (
+        "steps+factors" + ("+split" if split else ""))
     if bv is not None or warps is not None or stages is not None:
         cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
     elif tune and not correct:
