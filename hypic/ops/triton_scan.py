@@ -396,7 +396,7 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     pipeline depth (stages) is then unused.
     Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
     r, h, k, v = init.shape
-    prefetch = PREFETCH if prefetch is None else prefetch
+    prefetch = (PREFETCH and factors is None) if prefetch is None else prefetch      # (the module's: dense maps only)
     if prefetch and factors is not None:
         raise ValueError("prefetch is for dense maps (no factors)")
     init = init.float().contiguous()
