@@ -6,7 +6,8 @@ eval_pic's report).
 
 Groups: the needle sentence first in its document (it starts within the first 30 characters, right after
 "Document: ") or later; for two-hop questions (--set twohop8) the city questions, and the job questions by which of
-the second person's two sentences comes first; the gold document among the first half of the prompt's documents or the second.
+the second person's two sentences comes first (and, job first, whether the job word lies within the seam); the gold
+document among the first half of the prompt's documents or the second.
 """
 
 from __future__ import annotations
@@ -36,15 +37,29 @@ def two_hop_case(row: dict) -> str | None:
     return f"job question, {first}"
 
 
-def groups(row: dict, gold_position: int) -> list[str]:
+def job_word_tokens(row: dict, count) -> int:
+    """A job question's answer word: how many tokens of the second person's document end with it (count: text ->
+    its number of tokens, each span tokenized alone as the prompt's are; a byte-level BPE splits at the word's end,
+    so the prefix's count is the document's own)."""
+    doc = next(d for d in row["segments"] if f"works as a {row['answer']}." in d and " lives in " in d)
+    return count(doc[: doc.index(f"works as a {row['answer']}.") + len(f"works as a {row['answer']}")])
+
+
+def groups(row: dict, gold_position: int, count=None, seam: int = 8) -> list[str]:
     """row: the eval set's question (its documents in stored order, `gold` indexing them); gold_position: where the
     gold document stood in the prompt that was evaluated (eval_pic shuffles the documents per question). Needle
-    questions by the needle's place in its document, two-hop questions by their kind (`two_hop_case`)."""
+    questions by the needle's place in its document, two-hop questions by their kind (`two_hop_case`); with `count`
+    (text -> tokens), job questions whose job sentence comes first also by whether the job word lies within the
+    document's first `seam` tokens (recomputed in context) or past them (from the isolated prefill)."""
     half = ("gold document in the first half" if gold_position < len(row["segments"]) // 2
             else "gold document in the second half")
     kind = two_hop_case(row)
     if kind is not None:
-        return [kind, half, "all"]
+        out = [kind, half, "all"]
+        if count is not None and kind == "job question, job sentence first":
+            inside = job_word_tokens(row, count) <= seam
+            out.insert(1, f"job first, job word {'within' if inside else 'past'} the seam")
+        return out
     m = NEEDLE.search(row["segments"][row["gold"]])
     place = "needle first in its document" if m is not None and m.start() < 30 else "needle later in its document"
     return [place, half, "all"]
@@ -58,6 +73,12 @@ def main():
     ap.add_argument("--data", default=str(ROOT / ".data" / "corpus"))
     args = ap.parse_args()
     ev = [json.loads(x) for x in open(Path(args.data) / f"eval_{args.set}.jsonl")]
+    count = None
+    if args.set.startswith("twohop"):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(args.data) / "tokenizer.json"))
+        count = lambda text: len(tok.encode(text, add_special_tokens=False).ids)  # noqa: E731
     by = collections.defaultdict(dict)
     gold_at = {}                                      # question -> the gold document's place in its prompt
     sources = set()
@@ -79,7 +100,7 @@ def main():
     for i, d in by.items():
         if "full" not in d or any(m not in d for m in gaps):      # questions every compared mode answered
             continue
-        for g in groups(ev[i], gold_at[i]):
+        for g in groups(ev[i], gold_at[i], count, args.seam):
             stats[g]["n"] += 1
             for m in modes:
                 stats[g][m] += d.get(m, 0.0)

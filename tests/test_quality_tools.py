@@ -195,6 +195,11 @@ def test_gap_breakdown_sorts_two_hop_questions_by_kind():
     assert groups(job, 0)[:2] == ["job question, 'lives in' sentence first", "gold document in the first half"]
     city = dict(job, query="Question: In which city does Ana Bel's cousin live?\nAnswer:", answer="Oslo")
     assert groups(city, 1) == ["city question", "gold document in the second half", "all"]
+    # by where the job word ends in its document's tokens (here one token per word): "Document: Cid works as a baker"
+    job["segments"][1] = "Document: Cid works as a baker. Cid Dor lives in Oslo.\n"
+    words = lambda text: len(text.split())  # noqa: E731
+    assert groups(job, 2, words, seam=6)[:2] == ["job question, job sentence first", "job first, job word within the seam"]
+    assert groups(job, 2, words, seam=5)[1] == "job first, job word past the seam"
 
 
 def _state_carry(tmp_path, monkeypatch, ckpt, docs):
