@@ -22,6 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDLE = re.compile(r"magic number for (.+?) is (\S+?)\.")
 
 
+def _job_document(row: dict) -> str:
+    """A job question's second document: the one with the answer's job sentence and a "lives in" sentence."""
+    return next(d for d in row["segments"] if f"works as a {row['answer']}." in d and " lives in " in d)
+
+
 def two_hop_case(row: dict) -> str | None:
     """A two-hop question's kind (build_corpus.two_hop): the city of A's relative B, or B's job, and for a job
     question which of B's two sentences comes first in B's document ("B lives in C." with B's full name, or
@@ -32,7 +37,7 @@ def two_hop_case(row: dict) -> str | None:
         return "city question"
     if "What is the job of" not in query:
         return None
-    doc = next(d for d in row["segments"] if f"works as a {row['answer']}." in d and " lives in " in d)
+    doc = _job_document(row)
     first = "job sentence first" if doc.index(" works as a ") < doc.index(" lives in ") else "'lives in' sentence first"
     return f"job question, {first}"
 
@@ -41,7 +46,7 @@ def job_word_tokens(row: dict, count) -> int:
     """A job question's answer word: how many tokens of the second person's document end with it (count: text ->
     its number of tokens, each span tokenized alone as the prompt's are; a byte-level BPE splits at the word's end,
     so the prefix's count is the document's own)."""
-    doc = next(d for d in row["segments"] if f"works as a {row['answer']}." in d and " lives in " in d)
+    doc = _job_document(row)
     return count(doc[: doc.index(f"works as a {row['answer']}.") + len(f"works as a {row['answer']}")])
 
 

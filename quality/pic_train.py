@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hypic.config import ANCHORS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -93,16 +95,15 @@ def _items_of(model, examples: list[Example], mode: str, seam: int, device, anch
     return items_of, entries
 
 
-def _answer_loss(model, examples: list[Example], items_of, device, parts: int = 1):
-    """Mean cross-entropy of the answer tokens, every example's items in one batch (one forward); with parts > 1
-    the examples are that many equal groups (the same examples under different modes) and the result is one mean
-    per group. Also each example's work (its pieces carry the captures of summarized runs)."""
+def _answer_logits(model, examples: list[Example], items_of, device):
+    """Every example's items in one batch (one forward): the logits that predict the answer tokens [A, vocab], those
+    tokens [A], each one's example index [A], and each example's work (its pieces carry the captures of summarized
+    runs)."""
     from hypic.runtime.batch import BatchBuilder
     from hypic.runtime.state import SeqState
 
     b = BatchBuilder(device)
-    rows, gold, group, works = [], [], [], []
-    per = len(examples) // parts
+    rows, gold, owner, works = [], [], [], []
     for e, (ex, items) in enumerate(zip(examples, items_of)):
         cap = sum(len(i[1]) if i[0] == "run" else i[1].length for i in items) + 8
         work = b.add(SeqState(capacity_hint=cap), items, logits="all")
@@ -115,13 +116,22 @@ def _answer_loss(model, examples: list[Example], items_of, device, parts: int = 
             if is_answer:
                 rows.append(q0 + j - 1)
                 gold.append(tok)
-                group.append(e // per)
+                owner.append(e)
     logits = model.logits(b.build(exact_transition=True, walk="phased"))
-    ce = F.cross_entropy(logits[torch.tensor(rows, device=logits.device)], torch.tensor(gold, device=logits.device),
-                         reduction="none")
+    dev = logits.device
+    return (logits[torch.tensor(rows, device=dev)], torch.tensor(gold, device=dev), torch.tensor(owner, device=dev),
+            works)
+
+
+def _answer_loss(model, examples: list[Example], items_of, device, parts: int = 1):
+    """Mean cross-entropy of the answer tokens, every example's items in one batch (one forward); with parts > 1
+    the examples are that many equal groups (the same examples under different modes) and the result is one mean
+    per group. Also each example's work (its pieces carry the captures of summarized runs)."""
+    logits, gold, owner, works = _answer_logits(model, examples, items_of, device)
+    ce = F.cross_entropy(logits, gold, reduction="none")
     if parts == 1:
         return ce.mean(), works
-    group = torch.tensor(group, device=ce.device)
+    group = owner // (len(examples) // parts)
     return [ce[group == g].mean() for g in range(parts)], works
 
 
@@ -325,7 +335,7 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--pic-share", type=float, default=0.5, help="share of examples run under pic")
     ap.add_argument("--seams", default="0,4,8", help="seam widths drawn per pic batch")
-    ap.add_argument("--anchor", default="none", choices=["none", "prefix"],
+    ap.add_argument("--anchor", default="none", choices=ANCHORS,
                     help="prefill each document after its example's prefix (the engine's CachePolicy.anchor)")
     ap.add_argument("--mix", default="twohop=0.4,needle=0.2,kc=0.2,facts=0.2")
     ap.add_argument("--seed", type=int, default=0)

@@ -34,25 +34,13 @@ sys.path.insert(0, str(ROOT / "quality"))
 
 
 def answer_stats(model, ex, mode: str, seam: int, device: str):
-    """(mean NLL per answer token, every answer token the argmax) of one example under `mode`."""
-    from pic_train import _answer_loss, _items_of
+    """(mean NLL per answer token, every answer token the argmax) of one example under `mode`: pic_train's own
+    batch and answer rows (`_answer_logits`), so the NLL is its training loss."""
+    from pic_train import _answer_logits, _items_of
 
     items, _ = _items_of(model, [ex], mode, seam, device)
-    # _answer_loss gives the mean; the argmax check needs the rows, so recompute them from the same batch
-    from hypic.runtime.batch import BatchBuilder
-    from hypic.runtime.state import SeqState
-
-    b = BatchBuilder(device)
-    cap = sum(len(i[1]) if i[0] == "run" else i[1].length for i in items[0]) + 8
-    work = b.add(SeqState(capacity_hint=cap), items[0], logits="all")
-    q0 = work.end - len(ex.query)
-    rows = [q0 + j - 1 for j, a in enumerate(ex.answer) if a]
-    gold = torch.tensor([t for t, a in zip(ex.query, ex.answer) if a])
-    logits = model.logits(b.build(exact_transition=True, walk="phased"))[torch.tensor(rows)]
+    logits, gold, _, _ = _answer_logits(model, [ex], items, device)
     nll = torch.nn.functional.cross_entropy(logits.float(), gold).item()
-    check = _answer_loss(model, [ex], items, device)[0].item()
-    if abs(check - nll) > 1e-4:
-        raise RuntimeError(f"answer rows disagree with pic_train's loss: {nll} vs {check}")
     return nll, bool((logits.argmax(-1) == gold).all())
 
 
