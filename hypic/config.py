@@ -590,6 +590,61 @@ class CachePolicy:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Segment-parallel cold prefill (hypic.md 2.3): the cold segments of a request are prefilled in isolation on
+    `workers` ranks at once (this process is rank 0 and takes a share; ranks 1..workers-1 are worker processes, each
+    with its own copy of the model), placed longest-first (LPT), and their entries stream back to rank 0, which
+    inserts them and composes. A worker that fails or misses `timeout_s` has its segments prefilled on rank 0."""
+
+    workers: int = 1                   # ranks in the group, this process included; 1: no workers
+    devices: tuple[str, ...] = ()      # the workers' devices (ranks 1..); empty: cuda:1, cuda:2, ... when the engine
+                                       # is on CUDA, else the engine's device
+    spawn: bool = True                 # start the workers as local processes; False: wait for `hypic worker` processes
+                                       # (other hosts) to connect to host:port
+    host: str = "127.0.0.1"            # where rank 0's rendezvous store listens
+    port: int = 0                      # its port; 0: a free one (spawn only)
+    transport: str = "auto"            # entry tensors between ranks: "gloo" (through host memory), "nccl" (GPU to GPU);
+                                       # auto: nccl on CUDA, gloo elsewhere. Orders and headers always go over gloo
+    timeout_s: float = 120.0           # a cold prefill's results from the workers must all arrive within this
+    startup_timeout_s: float = 600.0   # workers must load their model and join within this
+    threads: int = 0                   # torch threads of a CPU worker (0: torch's default, one per core)
+    chunk_tokens: int = 16384          # a worker prefills its share in batches of about this many tokens, sending each
+                                       # batch's entries as soon as they are built
+
+    def __post_init__(self):
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
+        if self.transport not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"unknown transport {self.transport!r}; use 'auto', 'gloo' or 'nccl'")
+        if self.devices and len(self.devices) != self.workers - 1:
+            raise ConfigError(f"{len(self.devices)} worker devices for {self.workers - 1} workers")
+        if not self.spawn and not self.port:
+            raise ConfigError("workers started by hand (spawn=False) need a fixed port to connect to")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        for name in ("timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.threads < 0 or self.chunk_tokens < 1:
+            raise ConfigError("threads must be >= 0 and chunk_tokens >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.workers > 1
+
+    def worker_device(self, rank: int, engine_device: str) -> str:
+        """The device of worker `rank` (1..workers-1)."""
+        if self.devices:
+            return self.devices[rank - 1]
+        return f"cuda:{rank}" if engine_device.startswith("cuda") else engine_device
+
+    def data_transport(self, engine_device: str) -> str:
+        if self.transport != "auto":
+            return self.transport
+        return "nccl" if engine_device.startswith("cuda") else "gloo"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
@@ -614,6 +669,7 @@ class EngineConfig:
                                        # paired per round against 4 pieces: 1 piece +2.1 ms, 2 +0.7, 8 -0.3
     compose_first_piece: int = 0       # layers in the first of those pieces (0: equal pieces); a short first piece
                                        # lets the GPU start after a shorter fill and launch (not measured yet)
+    parallel: ParallelConfig = ParallelConfig()   # segment-parallel cold prefill (off: one rank)
 
     def __post_init__(self):
         if self.decode not in ("auto", "dynamic", "static", "graph"):
@@ -630,6 +686,8 @@ class EngineConfig:
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ConfigError(f"unknown load_format {self.load_format!r}; use 'auto', 'safetensors' or 'dummy'")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ConfigError(f"parallel must be a ParallelConfig, got {type(self.parallel).__name__}")
         for name in ("segment_cache_bytes", "prefix_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")

@@ -20,3 +20,8 @@ class WeightsError(HypicError):
 
 class InvalidRequestError(HypicError, ValueError):
     """A prompt or sampling parameter is invalid (empty, too long, out-of-vocabulary ids, ...)."""
+
+
+class WorkerError(HypicError):
+    """A segment-parallel worker could not start or join (hypic/prefill/parallel.py). Once serving, a worker's
+    failure is not an error: its segments are prefilled on rank 0."""

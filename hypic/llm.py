@@ -24,7 +24,8 @@ class LLM:
     model: a checkpoint directory or a preset name (`hypic.models.presets.PRESETS`).
     cache_mode: "pic" | "prefix" | "naive" | "full"; seam: tokens recomputed per reused segment; anchor: what a
     segment's isolated prefill runs after ("none" or "prefix": the request's prefix; CachePolicy.anchor).
-    Extra keyword arguments go to EngineConfig (segment_cache_bytes, prefix_cache_bytes, ...).
+    Extra keyword arguments go to EngineConfig (segment_cache_bytes, prefix_cache_bytes, parallel=ParallelConfig(...)
+    for segment-parallel cold prefill on worker processes, ...).
     """
 
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "float32", cache_mode: str = "pic",
@@ -212,6 +213,22 @@ class LLM:
         self.engine.prefix.clear(counters)
         if self.engine.composer is not None:           # its buffers hold copies of cached entries
             self.engine.composer.clear()
+
+    def parallel_stats(self) -> dict | None:
+        """Segment-parallel cold prefill: workers ready / dead / late and counters (None without workers)."""
+        w = self.engine.workers
+        return w.describe() if w is not None else None
+
+    def close(self) -> None:
+        """Stops the engine's worker processes (segment-parallel cold prefill), if any. The LLM stays usable: later
+        cold segments are prefilled in this process. Also called on leaving a `with LLM(...) as llm:` block."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def cache_stats(self) -> dict:
         return {"segments": self.engine.segments.stats().as_dict(), "prefix": self.engine.prefix.store.stats().as_dict()}

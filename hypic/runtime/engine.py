@@ -19,6 +19,7 @@ from ..cache.store import MemoryStore
 from ..config import CacheMode, CachePolicy, EngineConfig
 from ..plan.planner import Planner, PrefillPlan
 from ..prefill.isolated import prefill_segments
+from ..prefill.parallel import SegmentWorkers
 from ..segment.spans import TokenizedPrompt
 from ..types import RequestOutput, SamplingParams
 from .batch import BatchBuilder
@@ -67,6 +68,9 @@ class Engine:
         self.composer = None if cmode == "eager" else GraphCompose(
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=cmode == "graph",
             pieces=config.compose_pieces, first_piece=config.compose_first_piece)
+        # segment-parallel cold prefill: worker processes with their own copy of the model (last: they start only
+        # once everything above has been built)
+        self.workers = SegmentWorkers(loaded, config) if config.parallel.enabled else None
 
     # -- stage 1: plan -------------------------------------------------------------------------
     def _plan(self, reqs: list[Request]) -> list[PrefillPlan]:
@@ -107,7 +111,15 @@ class Engine:
         slots = list(distinct.values())
         starts = [self._state_from(after[s.key], len(s.anchor) + len(s.tokens)) if s.key in after else None
                   for s in slots]
-        entries = dict(zip(distinct, prefill_segments(self.model, slots, self.device, starts=starts)))
+
+        def local(idx):
+            return prefill_segments(self.model, [slots[i] for i in idx], self.device, starts=[starts[i] for i in idx])
+
+        if self.workers is not None and slots:       # placed over the workers and this rank; same entries
+            made = self.workers.prefill(slots, starts, local)
+        else:
+            made = local(range(len(slots)))
+        entries = dict(zip(distinct, made))
         for key, entry in entries.items():
             self.segments.put(key, entry)
         for p in plans:
@@ -205,6 +217,13 @@ class Engine:
         for r, p, reused in zip(reqs, plans, prefix_reused):
             self._counts(r, p, reused)
         return logits
+
+    def close(self) -> None:
+        """Stops the segment-parallel workers, if any (the engine goes on serving with cold prefills on this rank
+        only)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     # -- stage 4: decode ----------------------------------------------------------------------------
     def step(self, reqs: list[Request]) -> torch.Tensor:

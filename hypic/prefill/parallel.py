@@ -1,0 +1,460 @@
+"""Segment-parallel cold prefill (hypic.md 2.3): the cold segments of a request prefilled on several ranks at once.
+
+A PIC segment's entry depends only on its own tokens (and its anchor's), so the cold segments of one prefill can be
+computed anywhere that holds the same weights and combined afterwards: O(ceil(n/m) |C| + c) instead of O(n |C|).
+
+    rank 0 (the engine, this process)            ranks 1..m-1 (`serve`, one process each, own copy of the model)
+    ------------------------------------         ------------------------------------------------------------
+    place segments longest-first (LPT)
+    send each worker its order          ---->    prefill the order in batches (prefill/isolated.py, the same code)
+    prefill its own share meanwhile              send each entry as soon as its batch is done
+    a receiver thread takes entries     <----    (header and description over gloo, bytes over gloo or NCCL)
+      in the order they come
+    wait for the rest until the deadline; whatever failed or is late is prefilled on rank 0
+
+Which rank owns what: the model, the caches and every request live on rank 0; a worker holds only its model and the
+batch it is working on. Entries are built by the same function on every rank, so where a segment was prefilled does
+not change what is cached (rank 0's output equals a one-rank engine's; tests/test_parallel.py).
+
+Messages (rank 0 <-> worker r, in order per pair):
+    header  int64 [4] = (kind, sender rank, order seq, description bytes)   control group, TAG_HDR
+    description  pickled dict, uint8 [n]                                    control group, TAG_META
+    payload (ENTRY only)  uint8 [nbytes] (prefill/wire.py)                  data group, TAG_DATA
+The receiver thread posts one receive from any source at a time; a worker that dies or stalls does not block it, and
+a late worker's entries, when they come, are recognised by their order seq and dropped; until then the worker is
+given no new order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import multiprocessing
+import pickle
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..config import EngineConfig, ParallelConfig
+from ..errors import WorkerError
+from .placement import chunks, lpt, segment_cost
+
+log = logging.getLogger("hypic.parallel")
+
+ORDER, STOP, ENTRY, ERROR = 1, 2, 3, 4
+TAG_HDR, TAG_META, TAG_DATA = 11, 12, 13
+_FOREVER = datetime.timedelta(days=3650)
+
+
+def _store(pc: ParallelConfig, master: bool, port: int | None = None):
+    import torch.distributed as dist
+
+    return dist.TCPStore(pc.host, pc.port if port is None else port, pc.workers, master,
+                         timeout=datetime.timedelta(seconds=pc.startup_timeout_s), wait_for_workers=False)
+
+
+def _groups(store, rank: int, pc: ParallelConfig, transport: str, timeout: datetime.timedelta):
+    """(control, data) process groups of this rank, made directly (no default group: the user's own use of
+    torch.distributed in this process is left alone)."""
+    import torch.distributed as dist
+
+    ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", store), rank, pc.workers, timeout)
+    if transport == "gloo":
+        return ctl, ctl
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return ctl, dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, pc.workers, opts)
+
+
+def _send(ctl, data, dst: int, kind: int, rank: int, seq: int, desc: dict | None = None,
+          payload: torch.Tensor | None = None) -> None:
+    blob = pickle.dumps(desc) if desc is not None else b""
+    ctl.send([torch.tensor([kind, rank, seq, len(blob)], dtype=torch.int64)], dst, TAG_HDR).wait()
+    if blob:
+        ctl.send([torch.frombuffer(bytearray(blob), dtype=torch.uint8)], dst, TAG_META).wait()
+    if payload is not None:
+        data.send([payload], dst, TAG_DATA).wait()
+
+
+def _recv_desc(ctl, src: int, n: int) -> dict | None:
+    if not n:
+        return None
+    buf = torch.empty(n, dtype=torch.uint8)
+    ctl.recv([buf], src, TAG_META).wait()
+    return pickle.loads(buf.numpy().tobytes())
+
+
+@dataclass
+class WorkerStats:
+    orders: int = 0                    # orders sent
+    remote_segments: int = 0           # entries that came back from workers and were used
+    remote_tokens: int = 0
+    local_segments: int = 0            # segments rank 0 prefilled as its own share
+    fallback_segments: int = 0         # segments a worker failed or was late with, prefilled on rank 0
+    late_entries: int = 0              # entries that came after their deadline (dropped)
+    received_bytes: int = 0
+    errors: int = 0                    # orders a worker answered with an error
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Worker:
+    rank: int
+    device: str
+    proc: object | None = None         # the spawned process, if this process started it
+    pending: int = 0                   # entries of orders not yet answered (by an entry or an error)
+    dead: bool = False
+    late_seqs: set = field(default_factory=set)
+
+    @property
+    def usable(self) -> bool:
+        return not self.dead and self.pending == 0 and (self.proc is None or self.proc.is_alive())
+
+
+class SegmentWorkers:
+    """Rank 0's side: starts (or waits for) the workers, places cold segments and collects their entries."""
+
+    def __init__(self, loaded, config: EngineConfig, faults: dict[int, dict] | None = None):
+        """faults: tests only, rank -> `serve`'s fault for that spawned worker."""
+        pc = config.parallel
+        if not pc.enabled:
+            raise ValueError("SegmentWorkers needs ParallelConfig.workers > 1")
+        self.pc, self.cfg = pc, loaded.config
+        self.device = torch.device(config.device)
+        self.transport = pc.data_transport(config.device)
+        self.stats = WorkerStats()
+        self.workers = [_Worker(r, pc.worker_device(r, config.device)) for r in range(1, pc.workers)]
+        self._seq = 0
+        self._closed = False
+        self._q: queue.Queue = queue.Queue()
+        source = loaded.source
+        if pc.spawn and not (Path(source).is_dir() or _is_preset(source)):
+            raise WorkerError(f"workers load the model themselves; {source!r} is neither a preset nor a directory")
+        self._store = _store(pc, master=True)
+        self.port = self._store.port
+        if pc.spawn:
+            ctx = multiprocessing.get_context("spawn")
+            for w in self.workers:
+                wcfg = config.replace(device=w.device, parallel=ParallelConfig())
+                fault = (faults or {}).get(w.rank)
+                w.proc = ctx.Process(target=serve, args=(source, wcfg, w.rank, pc, self.port, fault), daemon=True,
+                                     name=f"hypic-worker-{w.rank}")
+                w.proc.start()
+        self._finalizer = weakref.finalize(self, _terminate, [w.proc for w in self.workers if w.proc is not None])
+        try:
+            self._handshake(loaded.fingerprint)
+            self.ctl, self.data = _groups(self._store, 0, pc, self.transport, datetime.timedelta(seconds=pc.timeout_s))
+        except BaseException:
+            self._store.set("go", "stop")
+            self._finalizer()
+            raise
+        self._rx = threading.Thread(target=self._receive, name="hypic-parallel-rx", daemon=True)
+        self._rx.start()
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def _handshake(self, fingerprint: str) -> None:
+        """Each worker reports (through the store) whether its model loaded and its fingerprint; all must match."""
+        deadline = time.monotonic() + self.pc.startup_timeout_s
+        hello = {}
+        while len(hello) < len(self.workers):
+            for w in self.workers:
+                if w.rank in hello:
+                    continue
+                if self._store.check([f"hello/{w.rank}"]):
+                    hello[w.rank] = json.loads(self._store.get(f"hello/{w.rank}"))
+                elif w.proc is not None and not w.proc.is_alive():
+                    raise WorkerError(f"worker {w.rank} exited with code {w.proc.exitcode} before it joined")
+            if time.monotonic() > deadline:
+                missing = [w.rank for w in self.workers if w.rank not in hello]
+                raise WorkerError(f"workers {missing} did not join within {self.pc.startup_timeout_s} s "
+                                  f"(rendezvous {self.pc.host}:{self.port})")
+            time.sleep(0.02)
+        for r, h in sorted(hello.items()):
+            if h.get("error"):
+                raise WorkerError(f"worker {r} could not start: {h['error']}")
+            if h["fingerprint"] != fingerprint:
+                raise WorkerError(f"worker {r} holds another model (fingerprint {h['fingerprint']} != {fingerprint}): "
+                                  "same source, dtype, seed and load format on every rank")
+        self._store.set("go", "run")
+
+    # -- the receiver thread ----------------------------------------------------------------------
+    def _receive(self) -> None:
+        """Takes whatever any worker sends, in the order it comes, and hands it to the main thread."""
+        while not self._closed:
+            hdr = torch.zeros(4, dtype=torch.int64)
+            try:
+                self.ctl.recv_anysource([hdr], TAG_HDR).wait(_FOREVER)
+            except Exception as e:                      # the group is gone (close) or broken
+                if not self._closed:
+                    self._q.put(("broken", 0, 0, repr(e), None))
+                return
+            kind, rank, seq, n = (int(x) for x in hdr.tolist())
+            try:
+                desc = _recv_desc(self.ctl, rank, n)
+                payload = None
+                if kind == ENTRY:
+                    payload = self._recv_payload(rank, desc["entry"]["nbytes"])
+            except Exception as e:                      # the worker died in the middle of a message
+                self._q.put(("dead", rank, seq, repr(e), None))
+                continue
+            self._q.put((kind, rank, seq, desc, payload))
+
+    def _recv_payload(self, rank: int, nbytes: int):
+        if self.transport == "gloo":
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self.data.recv([buf], rank, TAG_DATA).wait()
+            return buf
+        stream = torch.cuda.Stream(self.device)             # this thread's own stream; the main thread waits on
+        with torch.cuda.stream(stream):                     # the event before it reads the bytes
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.data.recv([buf], rank, TAG_DATA).wait()
+            event = torch.cuda.Event()
+            event.record(stream)
+        return buf, event, stream
+
+    def _payload(self, payload) -> torch.Tensor:
+        if isinstance(payload, tuple):                      # NCCL: (bytes, event, stream)
+            buf, event, _ = payload
+            torch.cuda.current_stream(self.device).wait_event(event)
+            buf.record_stream(torch.cuda.current_stream(self.device))
+            return buf
+        return payload.to(self.device)
+
+    # -- one cold prefill -------------------------------------------------------------------------
+    def prefill(self, slots: Sequence, starts: Sequence, local: Callable[[list[int]], list]) -> list:
+        """Entries of `slots` (distinct cold SegmentSlots; starts[i] None unless slot i starts from a restored anchor
+        state, which stays on rank 0). local(indices) prefills those slots here and returns their entries."""
+        from .wire import unpack
+
+        n = len(slots)
+        entries: list = [None] * n
+        self._drain(0.0)
+        ready = [w for w in self.workers if w.usable]
+        movable = [i for i in range(n) if starts[i] is None]
+        tokens = [len(s.anchor) + len(s.tokens) for s in slots]
+        bins = lpt([segment_cost(tokens[i], self.cfg) for i in movable], 1 + len(ready))
+        mine = sorted(set(range(n)) - set(movable) | {movable[j] for j in bins[0]})
+        self._seq += 1
+        seq = self._seq
+        orders: dict[int, list[int]] = {}
+        for w, b in zip(ready, bins[1:]):
+            if not b:
+                continue
+            idx = [movable[j] for j in b]
+            order = dict(seq=seq, chunk_tokens=self.pc.chunk_tokens,
+                         slots=[(i, tuple(slots[i].tokens), slots[i].seam, slots[i].key, tuple(slots[i].anchor))
+                                for i in idx])
+            try:
+                _send(self.ctl, self.data, w.rank, ORDER, 0, seq, order)
+            except Exception as e:
+                log.warning("worker %d is unreachable (%r); its segments go to rank 0", w.rank, e)
+                w.dead = True
+                mine += idx
+                continue
+            orders[w.rank] = idx
+            w.pending += len(idx)
+            self.stats.orders += 1
+        for i, e in zip(mine, local(mine) if mine else []):
+            entries[i] = e
+        self.stats.local_segments += len(mine)
+        want = {i for idx in orders.values() for i in idx}
+        deadline = time.monotonic() + self.pc.timeout_s
+        while want and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                kind, rank, s, desc, payload = self._q.get(timeout=min(left, 0.05))
+            except queue.Empty:                          # a spawned worker that died between messages sends nothing
+                for r, idx in orders.items():
+                    w = self.workers[r - 1]
+                    if w.proc is not None and not w.proc.is_alive() and not w.dead:
+                        log.warning("worker %d exited (code %s); its segments go to rank 0", r, w.proc.exitcode)
+                        w.dead = True
+                        want -= set(idx)
+                continue
+            self._note(kind, rank, s, desc, payload)
+            if kind == "broken":
+                want.clear()
+            elif kind == "dead":
+                want -= set(orders.get(rank, ()))
+            elif s != seq:
+                continue
+            elif kind == ENTRY:
+                i = desc["index"]
+                if i in want and desc["entry"]["key"] == slots[i].key:
+                    entries[i] = unpack(desc["entry"], self._payload(payload))
+                    want.discard(i)
+                    self.stats.remote_segments += 1
+                    self.stats.remote_tokens += len(slots[i].tokens)
+            elif kind == ERROR:
+                want -= set(desc["missing"])
+        for w in self.workers:                           # whoever still owes entries of this order is late
+            if w.rank in orders and any(i in want for i in orders[w.rank]):
+                w.late_seqs.add(seq)
+        missing = [i for i in range(n) if entries[i] is None]
+        if missing:
+            log.warning("%d of %d cold segments prefilled on rank 0 after their worker failed or was late",
+                        len(missing), n)
+            for i, e in zip(missing, local(missing)):
+                entries[i] = e
+            self.stats.fallback_segments += len(missing)
+        return entries
+
+    def _note(self, kind, rank: int, seq: int, desc, payload) -> None:
+        """Bookkeeping of one message from a worker, whichever order it belongs to."""
+        w = self.workers[rank - 1] if 1 <= rank <= len(self.workers) else None
+        if kind == "broken":
+            log.error("segment-parallel receiver stopped (%s); later cold prefills stay on rank 0", desc)
+            for x in self.workers:
+                x.dead = True
+            return
+        if w is None:
+            return
+        if kind == "dead":
+            log.warning("worker %d failed mid-message (%s); it gets no more orders", rank, desc)
+            w.dead = True
+        elif kind == ENTRY:
+            w.pending -= 1
+            self.stats.received_bytes += desc["entry"]["nbytes"]
+            if seq in w.late_seqs:
+                self.stats.late_entries += 1
+        elif kind == ERROR:
+            w.pending -= len(desc["missing"])
+            self.stats.errors += 1
+            log.warning("worker %d could not prefill %d segments: %s", rank, len(desc["missing"]), desc["error"])
+        if w.pending <= 0:
+            w.late_seqs.clear()
+
+    def _drain(self, wait_s: float) -> None:
+        """Messages that came after their order's deadline: bookkeeping only (late workers get no new order until
+        they have answered everything)."""
+        while True:
+            try:
+                item = self._q.get(timeout=wait_s) if wait_s else self._q.get_nowait()
+            except queue.Empty:
+                return
+            self._note(*item)
+
+    # -- state and shutdown -----------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {"workers": self.pc.workers, "transport": self.transport,
+                "ready": [w.rank for w in self.workers if w.usable],
+                "dead": [w.rank for w in self.workers if w.dead or (w.proc is not None and not w.proc.is_alive())],
+                "late": [w.rank for w in self.workers if not w.dead and w.pending > 0], **self.stats.as_dict()}
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stops every live worker (they exit their loop) and the receiver; idempotent."""
+        if self._closed:
+            return
+        for w in self.workers:
+            if not w.dead and (w.proc is None or w.proc.is_alive()):
+                try:
+                    _send(self.ctl, self.data, w.rank, STOP, 0, 0)
+                except Exception:
+                    pass
+        self._closed = True
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            if w.proc is not None:
+                w.proc.join(max(0.0, deadline - time.monotonic()))
+        self._finalizer()
+
+
+def _terminate(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+
+
+def _is_preset(source: str) -> bool:
+    from ..models import presets
+
+    return source in presets.PRESETS
+
+
+# -- the worker's side --------------------------------------------------------------------------------
+def serve(source: str, config: EngineConfig, rank: int, pc: ParallelConfig, port: int | None = None,
+          fault: dict | None = None) -> None:
+    """One worker: load the model, report to rank 0, then prefill orders until told to stop (or rank 0 is gone).
+    config.device is this worker's device. fault: test-only misbehaviour on its k-th order (from 0), {"at": k,
+    "do": "exit" | "sleep" | "raise", "seconds": s}."""
+    from ..models.loader import load_model
+    from ..plan.planner import SegmentSlot
+    from .isolated import prefill_segments
+    from .wire import pack
+
+    if pc.threads:
+        torch.set_num_threads(pc.threads)
+    store = _store(pc, master=False, port=port)
+    try:
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(config.device))
+        loaded = load_model(source, config)
+        store.set(f"hello/{rank}", json.dumps({"fingerprint": loaded.fingerprint, "device": config.device}))
+    except Exception as e:
+        store.set(f"hello/{rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        return
+    try:
+        go = store.get("go").decode()
+    except Exception:                         # rank 0 refused the group and is gone already
+        return
+    if go != "run":
+        return
+    device = torch.device(config.device)
+    transport = pc.data_transport(config.device)
+    ctl, data = _groups(store, rank, pc, transport, _FOREVER)
+    done_orders = 0
+    while True:
+        hdr = torch.zeros(4, dtype=torch.int64)
+        try:
+            ctl.recv([hdr], 0, TAG_HDR).wait()
+        except Exception:                     # rank 0 is gone
+            return
+        kind, _, seq, n = (int(x) for x in hdr.tolist())
+        if kind == STOP:
+            return
+        order = _recv_desc(ctl, 0, n)
+        faulty = bool(fault) and done_orders == fault.get("at", 0)
+        if faulty:
+            if fault["do"] == "exit":
+                import os
+
+                os._exit(3)
+            if fault["do"] == "sleep":
+                time.sleep(fault["seconds"])
+        items = order["slots"]
+        slots = [SegmentSlot(toks, seam, key, anchor=anchor) for _, toks, seam, key, anchor in items]
+        sent = set()
+        try:
+            if faulty and fault["do"] == "raise":
+                raise RuntimeError("injected failure")
+            tokens = [len(s.anchor) + len(s.tokens) for s in slots]
+            for batch in chunks(range(len(slots)), tokens, order["chunk_tokens"]):
+                entries = prefill_segments(loaded.model, [slots[j] for j in batch], device)
+                for j, entry in zip(batch, entries):
+                    meta, payload = pack(entry)
+                    if transport == "gloo":
+                        payload = payload.cpu()
+                    _send(ctl, data, 0, ENTRY, rank, seq, {"index": items[j][0], "entry": meta}, payload)
+                    sent.add(j)
+        except Exception as e:
+            missing = [items[j][0] for j in range(len(items)) if j not in sent]
+            try:
+                _send(ctl, data, 0, ERROR, rank, seq, {"missing": missing, "error": f"{type(e).__name__}: {e}"})
+            except Exception:
+                return
+        done_orders += 1
