@@ -608,6 +608,8 @@ class ParallelConfig:
     timeout_s: float = 120.0           # a cold prefill's results from the workers must all arrive within this
     startup_timeout_s: float = 600.0   # workers must load their model and join within this
     threads: int = 0                   # torch threads of a CPU worker (0: torch's default, one per core)
+    placement: str = "lpt"             # "lpt" (longest first to the least-loaded rank) or "count" (round robin in
+                                       # prompt order, equal counts: the baseline LPT is measured against)
     chunk_tokens: int = 16384          # a worker prefills its share in batches of about this many tokens, sending each
                                        # batch's entries as soon as they are built
 
@@ -625,6 +627,8 @@ class ParallelConfig:
         for name in ("timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.placement not in ("lpt", "count"):
+            raise ConfigError(f"unknown placement {self.placement!r}; use 'lpt' or 'count'")
         if self.threads < 0 or self.chunk_tokens < 1:
             raise ConfigError("threads must be >= 0 and chunk_tokens >= 1")
 

@@ -18,7 +18,7 @@ from hypic.models.presets import preset_config
 from hypic.config import ModelConfig
 from hypic.prefill import wire
 from hypic.prefill.parallel import SegmentWorkers
-from hypic.prefill.placement import chunks, lpt, segment_cost
+from hypic.prefill.placement import chunks, lpt, round_robin, segment_cost
 
 from .conftest import rand_ids
 
@@ -51,6 +51,7 @@ def test_lpt_places_longest_first_on_the_least_loaded_rank():
     assert lpt([1, 1, 1, 1], 4) == [[0], [1], [2], [3]]          # ties go to the lower rank, in index order
     with pytest.raises(ValueError):
         lpt([1.0], 0)
+    assert round_robin(5, 2) == [[0, 2, 4], [1, 3]]
 
 
 def test_lpt_against_the_best_split():
@@ -84,6 +85,8 @@ def test_parallel_config_is_validated():
         ParallelConfig(workers=2, spawn=False)                  # hand-started workers need a port to reach
     with pytest.raises(ConfigError):
         ParallelConfig(workers=2, transport="mpi")
+    with pytest.raises(ConfigError):
+        ParallelConfig(workers=2, placement="random")
     with pytest.raises(ConfigError):
         EngineConfig(parallel={"workers": 2})
     pc = ParallelConfig(workers=3)

@@ -44,7 +44,7 @@ import torch
 
 from ..config import EngineConfig, ParallelConfig
 from ..errors import WorkerError
-from .placement import chunks, lpt, segment_cost
+from .placement import chunks, lpt, round_robin, segment_cost
 
 log = logging.getLogger("hypic.parallel")
 
@@ -241,7 +241,8 @@ class SegmentWorkers:
         ready = [w for w in self.workers if w.usable]
         movable = [i for i in range(n) if starts[i] is None]
         tokens = [len(s.anchor) + len(s.tokens) for s in slots]
-        bins = lpt([segment_cost(tokens[i], self.cfg) for i in movable], 1 + len(ready))
+        bins = (lpt([segment_cost(tokens[i], self.cfg) for i in movable], 1 + len(ready))
+                if self.pc.placement == "lpt" else round_robin(len(movable), 1 + len(ready)))
         mine = sorted(set(range(n)) - set(movable) | {movable[j] for j in bins[0]})
         self._seq += 1
         seq = self._seq

@@ -37,6 +37,11 @@ def lpt(costs: Sequence[float], ranks: int) -> list[list[int]]:
     return out
 
 
+def round_robin(n: int, ranks: int) -> list[list[int]]:
+    """Indices 0..n-1 dealt in order, equal counts per rank (rank 0 first): the placement that ignores length."""
+    return [list(range(r, n, ranks)) for r in range(ranks)]
+
+
 def chunks(indices: Sequence[int], tokens: Sequence[int], budget: int) -> list[list[int]]:
     """`indices` in order, cut into consecutive batches of at most `budget` tokens (a longer segment alone)."""
     out: list[list[int]] = []

@@ -70,6 +70,34 @@ def _pad_varlen(tensors, cu_seqlens):
     return [torch.cat([x[0], x.new_zeros((1,) + tuple(x.shape[2:]))])[idx] for x in tensors], lens
 
 
+def _chunk_layout(cu_seqlens, c: int, device):
+    """Index tables that lay a packed varlen batch out as chunks of c tokens, each sequence padded to a multiple of
+    c only (not to the longest sequence, as _pad_varlen does: the chunked form's pairwise decays are C x C x K floats
+    per chunk, so padding a batch of mixed lengths to the longest multiplies their memory and work by about max / mean;
+    a PIC-tune batch's full pass of 8 sequences, lengths 270-1,226, went from 8.72 to 4.87 GB peak and 41.6 to 21.0 s
+    on the CPU: quality/tune_step_memory.py). Returns (tok [M * c]: the token at each chunk slot, T for a pad slot (a zero row appended); grid
+    [N, n_max]: the chunk at each (sequence, chunk index), M (an identity chunk appended) past a sequence's end;
+    back [T]: each token's chunk slot; place [M]: each chunk's index in the flattened grid; lens)."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    total = int(cu_seqlens[-1]) if lens else 0
+    nch = [-(-n // c) for n in lens]
+    m, n_max = sum(nch), max(nch, default=0)
+    first = torch.tensor([0] + nch[:-1], dtype=torch.long).cumsum(0)                 # each sequence's first chunk
+    nch_t, lens_t = torch.tensor(nch, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), nch_t)                   # [M] sequence of each chunk
+    idx = torch.arange(m) - first[seq]                                              # [M] chunk index in its sequence
+    slot = idx[:, None] * c + torch.arange(c)[None, :]                              # [M, c] offset in the sequence
+    starts = cu_seqlens[:-1].cpu().long()
+    tok = torch.where(slot < lens_t[seq][:, None], starts[seq][:, None] + slot, total).reshape(-1)
+    cols = torch.arange(n_max)
+    grid = torch.where(cols[None, :] < nch_t[:, None], first[:, None] + cols[None, :], m)
+    back = torch.empty(total, dtype=torch.long)
+    real = tok < total
+    back[tok[real]] = torch.arange(m * c)[real]
+    place = seq * n_max + idx
+    return tuple(t.to(device, non_blocking=True) for t in (tok, grid, back, place)) + (lens,)
+
+
 def _unpad(o, lens):
     if not lens:
         return o.new_zeros((1, 0) + tuple(o.shape[2:]))
@@ -264,16 +292,33 @@ def chunk_gated_delta_rule(
         S_C = exp(G_C) S_0 + sum_s exp(G_C - G_s) k_s u_s^T.
     """
     dtype = v.dtype
-    if cu_seqlens is not None:
-        (q, k, v, g, beta), lens = _pad_varlen((q, k, v, g, beta), cu_seqlens)
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    b, t, hv, dv = v.shape
-    dk = k.shape[-1]
-    c = chunk_size
-    pad = (-t) % c
-    # -> [B, HV, n_chunks, C, ...]
-    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c, x.shape[-1]) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c) for x in (g, beta))
+    dk, dv, c = k.shape[-1], v.shape[-1], chunk_size
+    if cu_seqlens is not None:
+        # every sequence's chunks side by side (_chunk_layout: each padded to a multiple of c, not to the longest), the
+        # per-chunk terms computed once for all of them, the chunk states walked on a [N, n_max] grid whose cells past
+        # a sequence's end are identity maps (the layout chunk_kda uses; padding an isolated prefill's 8 segments of
+        # 256-2,048 tokens to the longest had doubled its CPU time)
+        if q.shape[0] != 1:
+            raise ValueError("varlen inputs must be packed as a batch of one")
+        tok, grid, back, place, lens = _chunk_layout(cu_seqlens, c, q.device)
+        n_seq, m, hv = len(lens), tok.shape[0] // c, v.shape[2]
+        if m == 0:                  # no tokens: nothing written, every state as it entered
+            s0 = q.new_zeros(n_seq, hv, dk, dv) if initial_state is None else initial_state.float()
+            return v.new_zeros(v.shape).to(dtype), (s0 if output_final_state else None)
+
+        def chunks(x):              # [1, T, HV, *] -> [1, HV, M, C, *] (pad slots: zero rows, inert: see _pad_varlen)
+            xz = torch.cat([x[0], x.new_zeros((1,) + tuple(x.shape[2:]))])[tok]
+            return xz.reshape(m, c, *x.shape[2:]).movedim(2, 0)[None]
+
+        q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+        b = 1
+    else:
+        b, t, hv = v.shape[:3]
+        pad = (-t) % c
+        # -> [B, HV, n_chunks, C, ...]
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c, x.shape[-1]) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2).reshape(b, hv, -1, c) for x in (g, beta))
     G, decay, system = _ut_system(k, g, beta)                   # [B, HV, n, C], exp(G_t - G_s) for s <= t
     rhs_v = beta[..., None] * v
     rhs_s = (beta * G.exp())[..., None] * k
@@ -282,11 +327,21 @@ def chunk_gated_delta_rule(
     qk = (q @ k.transpose(-1, -2)) * decay
     q_decay = q * G.exp()[..., None]
     k_tail = k * (G[..., -1:] - G).exp()[..., None]
-    chunk_decay = G[..., -1].exp()
-    s0 = q.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.float()
-    starts, s = chunk_state_pass(u0, w, k_tail, chunk_decay[..., None].expand(*chunk_decay.shape, dk), s0)
-    o = q_decay @ starts + qk @ (u0 - w @ starts)
-    o = o.reshape(b, hv, -1, dv)[:, :, :t].transpose(1, 2)
-    if cu_seqlens is not None:
-        o = _unpad(o, lens)
+    chunk_decay = G[..., -1].exp()[..., None].expand(*G.shape[:-1], dk)     # [B, HV, n, K]
+    if cu_seqlens is None:
+        s0 = q.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.float()
+        starts, s = chunk_state_pass(u0, w, k_tail, chunk_decay, s0)
+        o = q_decay @ starts + qk @ (u0 - w @ starts)
+        o = o.reshape(b, hv, -1, dv)[:, :, :t].transpose(1, 2)
+        return o.to(dtype), (s if output_final_state else None)
+
+    def on_grid(x, fill):           # [1, HV, M, *] -> [N, HV, n_max, *], cells past a sequence's end `fill`
+        xz = torch.cat([x[0], torch.full_like(x[0, :, :1], fill)], dim=1)[:, grid]       # [HV, N, n_max, *]
+        return xz.transpose(0, 1)
+
+    s0 = q.new_zeros(n_seq, hv, dk, dv) if initial_state is None else initial_state.float()
+    starts, s = chunk_state_pass(on_grid(u0, 0.0), on_grid(w, 0.0), on_grid(k_tail, 0.0), on_grid(chunk_decay, 1.0), s0)
+    starts = starts.transpose(0, 1).reshape(hv, -1, dk, dv)[:, place][None]           # [1, HV, M, K, V]
+    o = q_decay @ starts + qk @ (u0 - w @ starts)                                       # [1, HV, M, C, V]
+    o = o[0].reshape(hv, m * c, dv)[:, back].transpose(0, 1)[None]                      # [1, T, HV, V]
     return o.to(dtype), (s if output_final_state else None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gated_delta import _pad_varlen, _unpad, chunk_state_pass, l2norm
+from .gated_delta import _chunk_layout, _pad_varlen, _unpad, chunk_state_pass, l2norm
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
@@ -46,34 +46,6 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     if cu_seqlens is not None:
         o = _unpad(o, lens)
     return o.to(dtype), (s if output_final_state else None)
-
-
-def _chunk_layout(cu_seqlens, c: int, device):
-    """Index tables that lay a packed varlen batch out as chunks of c tokens, each sequence padded to a multiple of
-    c only (not to the longest sequence, as _pad_varlen does: the chunked form's pairwise decays are C x C x K floats
-    per chunk, so padding a batch of mixed lengths to the longest multiplies their memory and work by about max / mean;
-    a PIC-tune batch's full pass of 8 sequences, lengths 270-1,226, went from 8.72 to 4.87 GB peak and 41.6 to 21.0 s
-    on the CPU: quality/tune_step_memory.py). Returns (tok [M * c]: the token at each chunk slot, T for a pad slot (a zero row appended); grid
-    [N, n_max]: the chunk at each (sequence, chunk index), M (an identity chunk appended) past a sequence's end;
-    back [T]: each token's chunk slot; place [M]: each chunk's index in the flattened grid; lens)."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    total = int(cu_seqlens[-1]) if lens else 0
-    nch = [-(-n // c) for n in lens]
-    m, n_max = sum(nch), max(nch, default=0)
-    first = torch.tensor([0] + nch[:-1], dtype=torch.long).cumsum(0)                 # each sequence's first chunk
-    nch_t, lens_t = torch.tensor(nch, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
-    seq = torch.repeat_interleave(torch.arange(len(lens)), nch_t)                   # [M] sequence of each chunk
-    idx = torch.arange(m) - first[seq]                                              # [M] chunk index in its sequence
-    slot = idx[:, None] * c + torch.arange(c)[None, :]                              # [M, c] offset in the sequence
-    starts = cu_seqlens[:-1].cpu().long()
-    tok = torch.where(slot < lens_t[seq][:, None], starts[seq][:, None] + slot, total).reshape(-1)
-    cols = torch.arange(n_max)
-    grid = torch.where(cols[None, :] < nch_t[:, None], first[:, None] + cols[None, :], m)
-    back = torch.empty(total, dtype=torch.long)
-    real = tok < total
-    back[tok[real]] = torch.arange(m * c)[real]
-    place = seq * n_max + idx
-    return tuple(t.to(device, non_blocking=True) for t in (tok, grid, back, place)) + (lens,)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
