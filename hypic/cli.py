@@ -3,6 +3,9 @@
     hypic demo [--model tiny-qwen3.5]
     hypic serve [--model DIR|PRESET] [--port 8000] [--cache-mode pic] [--api-key KEY]
     hypic generate --model DIR|PRESET --segment TEXT ... --query TEXT [--prefix TEXT] [--mode pic]
+    hypic serve ... --workers 2                   cold segments prefilled on this process and a spawned worker
+    hypic serve ... --workers 3 --rendezvous HOST:PORT     ... on workers started by hand (other hosts) with
+    hypic worker --rendezvous HOST:PORT --rank R --workers 3 [--model ... --device cuda:0 ...]
 """
 
 from __future__ import annotations
@@ -34,6 +37,51 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="what a segment's isolated prefill runs after: nothing, or the request's prefix")
 
 
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=1,
+                   help="ranks that prefill cold segments, this process included (1: none; hypic.md 2.3)")
+    p.add_argument("--worker-devices", default="", help="comma-separated devices of ranks 1.. (default: cuda:1, "
+                                                          "cuda:2, ... on CUDA, else --device)")
+    p.add_argument("--worker-threads", type=int, default=0, help="torch threads of a CPU worker (0: torch's default)")
+    p.add_argument("--worker-transport", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--worker-timeout", type=float, default=120.0,
+                   help="seconds a cold prefill waits for the workers before prefilling their share itself")
+    p.add_argument("--rendezvous", default="", help="HOST:PORT where workers started by hand (`hypic worker`) "
+                                                    "connect; without it workers are spawned here")
+
+
+def _parallel(a: argparse.Namespace):
+    from .config import ParallelConfig
+
+    host, port = _host_port(a.rendezvous) if a.rendezvous else ("127.0.0.1", 0)
+    devices = tuple(d for d in a.worker_devices.split(",") if d)
+    return ParallelConfig(workers=a.workers, devices=devices, spawn=not a.rendezvous, host=host, port=port,
+                          transport=a.worker_transport, timeout_s=a.worker_timeout, threads=a.worker_threads)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise HypicError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def cmd_worker(a: argparse.Namespace) -> int:
+    """A worker started by hand: loads the model (the same source, dtype, seed and load format as rank 0), joins
+    rank 0 at --rendezvous and prefills the segments it is sent until rank 0 stops it."""
+    from .config import EngineConfig, ParallelConfig
+    from .prefill.parallel import serve
+
+    host, port = _host_port(a.rendezvous)
+    if not 1 <= a.rank < a.workers:
+        raise HypicError(f"--rank must be in 1..{a.workers - 1} (rank 0 is the engine)")
+    pc = ParallelConfig(workers=a.workers, spawn=False, host=host, port=port, transport=a.worker_transport,
+                        threads=a.worker_threads, startup_timeout_s=a.startup_timeout)
+    cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, seed=a.seed)
+    serve(a.model, cfg, a.rank, pc)
+    return 0
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from . import LLM, Prompt, SamplingParams
 
@@ -43,10 +91,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise HypicError("give --query or --query-file")
     prefix = _read(a.prefix, a.prefix_file)
     llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.mode, seam=a.seam, anchor=a.anchor,
-              load_format=a.load_format, seed=a.seed)
+              load_format=a.load_format, seed=a.seed, parallel=_parallel(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed)
-    out = llm.generate([Prompt(segments=segments, query=query, prefix=prefix)], params)[0]
+    with llm:
+        out = llm.generate([Prompt(segments=segments, query=query, prefix=prefix)], params)[0]
     if a.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "ttft_ms": round(out.ttft_s * 1e3, 3), "prompt_tokens": out.num_prompt_tokens,
@@ -117,7 +166,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .server.app import ServerConfig, build_app
 
     llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.cache_mode, seam=a.seam, anchor=a.anchor,
-              load_format=a.load_format, seed=a.seed, max_segments=a.max_segments)
+              load_format=a.load_format, seed=a.seed, max_segments=a.max_segments, parallel=_parallel(a))
     if a.warmup == "on" or (a.warmup == "auto" and llm.config.device.startswith("cuda")):
         times = llm.warmup(tokens=a.warmup_tokens)
         print("hypic: warm-up " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()), flush=True)
@@ -128,7 +177,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                   request_timeout_s=a.request_timeout))
     # uvicorn installs SIGINT/SIGTERM handlers: it stops accepting, lets the app's lifespan shut the
     # scheduler down (waiting requests get 503), then exits.
-    uvicorn.run(build_app(llm, config), host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
+    with llm:                       # stops the workers, if any, once the server has shut down
+        uvicorn.run(build_app(llm, config), host=a.host, port=a.port, log_level=a.log_level,
+                    timeout_graceful_shutdown=5)
     return 0
 
 
@@ -149,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    _parallel_args(g)
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="a short RAG scenario under full, prefix and pic")
     _engine_args(d)
@@ -172,7 +224,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the engine's paths once before serving (LLM.warmup), so the first requests do not "
                         "compile and tune kernels; auto: on for CUDA")
     s.add_argument("--warmup-tokens", type=int, default=2048)
+    _parallel_args(s)
     s.set_defaults(fn=cmd_serve)
+    w = sub.add_parser("worker", help="a segment-parallel worker started by hand, for `serve --rendezvous`")
+    _engine_args(w)
+    w.add_argument("--rendezvous", required=True, help="HOST:PORT of rank 0's `serve --rendezvous`")
+    w.add_argument("--rank", type=int, required=True)
+    w.add_argument("--workers", type=int, required=True, help="ranks in all, rank 0 included")
+    w.add_argument("--worker-transport", default="auto", choices=["auto", "gloo", "nccl"])
+    w.add_argument("--worker-threads", type=int, default=0)
+    w.add_argument("--startup-timeout", type=float, default=600.0)
+    w.set_defaults(fn=cmd_worker)
     a = ap.parse_args(argv)
     try:
         return a.fn(a)

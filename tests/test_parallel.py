@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from hypic import LLM, ParallelConfig, Prompt, SamplingParams
-from hypic.config import EngineConfig
+from hypic.config import EngineConfig, ModelConfig
 from hypic.errors import ConfigError, WorkerError
 from hypic.models.loader import load_model
 from hypic.models.presets import preset_config
-from hypic.config import ModelConfig
 from hypic.prefill import wire
 from hypic.prefill.parallel import SegmentWorkers
 from hypic.prefill.placement import chunks, lpt, round_robin, segment_cost
@@ -39,6 +38,18 @@ def _par(workers=3, **kw) -> ParallelConfig:
 def _same(a, b):
     assert a.token_ids == b.token_ids
     torch.testing.assert_close(a.logits, b.logits, atol=ATOL, rtol=0)
+
+
+def _metrics_show(llm, *lines):
+    """The server's Prometheus text (hypic/server/metrics.py) holds these lines."""
+    from prometheus_client import generate_latest
+
+    from hypic.runtime.scheduler import Scheduler, SchedulerConfig
+    from hypic.server.metrics import Metrics
+
+    text = generate_latest(Metrics(llm, Scheduler(llm.engine, SchedulerConfig())).registry).decode()
+    for line in lines:
+        assert line in text, (line, [x for x in text.splitlines() if "parallel" in x])
 
 
 # -- placement -----------------------------------------------------------------------------------------
@@ -99,7 +110,7 @@ def test_parallel_config_is_validated():
                                     "tiny-lfm2", "tiny-jamba"])
 def test_entry_survives_pack_and_unpack(preset):
     """Every part kind (dense / scalar / diagonal T, conv tails, empty states, K/V) in one flat buffer and back,
-    bit for bit, each tensor a view of the buffer at an aligned offset."""
+    bit for bit, each tensor owning its storage (not a view that pins the whole buffer)."""
     from hypic.cache.entry import SegmentKey
     from hypic.plan.planner import SegmentSlot
     from hypic.prefill.isolated import prefill_segments
@@ -115,7 +126,7 @@ def test_entry_survives_pack_and_unpack(preset):
     assert [n for n, _ in back.tensors()] == [n for n, _ in entry.tensors()]
     for (_, t), (_, u) in zip(entry.tensors(), back.tensors()):
         assert u.dtype == t.dtype and u.shape == t.shape and u.is_contiguous()
-        assert u.data_ptr() % wire.ALIGN == 0 or u.numel() == 0
+        assert u.untyped_storage().nbytes() == u.element_size() * u.nelement()
     with pytest.raises(ValueError):
         wire.unpack(meta, payload[:-1])
 
@@ -140,6 +151,7 @@ def test_parallel_cold_prefill_equals_one_rank(reference):
         st = llm.parallel_stats()
         assert st["local_segments"] == 1 and st["remote_segments"] == 4 and st["remote_tokens"] == 195
         assert st["orders"] == 2 and st["fallback_segments"] == 0 and st["received_bytes"] > 0
+        _metrics_show(llm, 'hypic_parallel_segments_total{where="remote"} 4.0', 'hypic_parallel_workers{state="ready"} 2.0')
         rev = Prompt(segments=p.segments[::-1], query=p.query)
         warm = llm.generate([rev], SP)[0]
         assert warm.cold_prefill_tokens == 0 and llm.parallel_stats()["orders"] == 2
@@ -256,13 +268,10 @@ def test_workers_must_hold_the_same_model(tmp_path):
     """A hand-started worker (spawn=False, as on another host) with other weights (another seed) is refused at
     start-up with a clear error; so is a model the workers cannot load themselves."""
     import multiprocessing
-    import socket
 
     from hypic.prefill.parallel import serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     pc = ParallelConfig(workers=2, spawn=False, port=port, startup_timeout_s=60.0, threads=1)
     proc = multiprocessing.get_context("spawn").Process(
         target=serve, args=("tiny-qwen3.5", EngineConfig(seed=1), 1, pc), daemon=True)
@@ -281,3 +290,45 @@ def test_workers_must_hold_the_same_model(tmp_path):
     ident = from_tensors(loaded.config, {k: v for k, v in loaded.model.state_dict().items()}, EngineConfig(), "t")
     with pytest.raises(WorkerError, match="neither a preset nor a directory"):
         SegmentWorkers(ident, EngineConfig(parallel=_par(2)))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hand_started_worker_from_the_command_line(reference):
+    """`hypic worker` (as on another host) joins an engine made with spawn=False, does its share, and exits when
+    the engine closes; `hypic generate --workers 2` spawns its own worker and prints the same text."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "hypic.cli", "worker", "--model", "tiny-qwen3.5", "--rendezvous", f"127.0.0.1:{port}",
+           "--rank", "1", "--workers", "2", "--worker-threads", "1", "--startup-timeout", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        p = _prompt(21)
+        pc = ParallelConfig(workers=2, spawn=False, port=port, startup_timeout_s=120.0, timeout_s=60.0)
+        with LLM("tiny-qwen3.5", parallel=pc) as llm:
+            _same(llm.generate([p], SP)[0], reference.generate([p], SP)[0])
+            assert llm.parallel_stats()["remote_segments"] >= 1
+        assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    args = ["generate", "--segment", "one document " * 8, "--segment", "another document " * 6, "--query", "q?",
+            "--max-tokens", "3", "--json"]
+    one = subprocess.run([sys.executable, "-m", "hypic.cli", *args], capture_output=True, text=True, timeout=300)
+    two = subprocess.run([sys.executable, "-m", "hypic.cli", *args, "--workers", "2", "--worker-threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    import json
+
+    assert json.loads(one.stdout)["token_ids"] == json.loads(two.stdout)["token_ids"]
+    bad = subprocess.run([sys.executable, "-m", "hypic.cli", "worker", "--rendezvous", "nowhere", "--rank", "1",
+                          "--workers", "2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "HOST:PORT" in bad.stderr

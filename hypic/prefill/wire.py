@@ -2,7 +2,8 @@
 
     pack(entry)          -> (meta, payload)   payload: uint8 [n] on the entry's device, every tensor's bytes at an
                                               offset aligned to ALIGN bytes
-    unpack(meta, payload) -> SegmentEntry     its tensors are views of `payload` (no copy): one entry, one buffer
+    unpack(meta, payload) -> SegmentEntry     its tensors copied out of `payload`, each owning its storage (the
+                                              store's byte accounting counts tensors; tests/test_api.py)
 
 meta holds the entry's scalar fields and, per layer, the part's kind and each tensor's (offset, dtype, shape), in
 the order the part's constructor takes them. Layers of a part kind not listed in PARTS cannot be packed.
@@ -15,7 +16,7 @@ import torch
 from ..cache.entry import AttnKV, LinearSummary, SegmentEntry
 from ..compose.transition import Form, Transition
 
-ALIGN = 64                                     # bytes; any dtype's view of an aligned offset is legal
+ALIGN = 64                                     # bytes: a dtype view of the payload at an aligned offset is legal
 
 
 def _parts(part) -> tuple[str, tuple, list[torch.Tensor | None]]:
@@ -73,7 +74,7 @@ def unpack(meta: dict, payload: torch.Tensor) -> SegmentEntry:
             n = dt.itemsize
             for d in shape:
                 n *= d
-            ts.append(payload[off:off + n].view(dt).view(shape))
+            ts.append(payload[off:off + n].view(dt).view(shape).clone())
         layers[layer] = _build(kind, extra, ts)
     return SegmentEntry(meta["key"], tuple(meta["seam_ids"]), meta["length"], meta["seam"], layers,
                         prefill_s=meta["prefill_s"], created=meta["created"], origin=meta["origin"])

@@ -309,7 +309,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
 
     @app.get("/admin/stats", dependencies=[Depends(auth)])
     async def admin_stats():
-        return {"store": llm.cache_stats(), "scheduler": scheduler.stats(), "policy": {
+        return {"store": llm.cache_stats(), "scheduler": scheduler.stats(), "parallel": llm.parallel_stats(), "policy": {
             "cache_mode": llm.cache_mode, "seam": llm.policy.seam, "anchor": llm.policy.anchor}}
 
     @app.get("/admin/segments", dependencies=[Depends(auth)])

@@ -57,3 +57,20 @@ class _StateCollector:
         q = self.scheduler.stats()
         yield GaugeMetricFamily("hypic_queue_length", "Requests waiting for admission", value=q["waiting"])
         yield GaugeMetricFamily("hypic_running_requests", "Requests in the running batch", value=q["running"])
+        par = self.llm.parallel_stats()
+        if par is not None:                     # segment-parallel cold prefill (hypic/prefill/parallel.py)
+            workers = GaugeMetricFamily("hypic_parallel_workers", "Segment-parallel workers by state (ready: gets "
+                                        "orders; late: owes entries past a deadline; dead: gets none)", labels=["state"])
+            for state in ("ready", "late", "dead"):
+                workers.add_metric([state], len(par[state]))
+            segs = CounterMetricFamily("hypic_parallel_segments", "Cold segments by where they were prefilled (local: "
+                                       "rank 0's share, remote: a worker, fallback: rank 0 after a worker failed or "
+                                       "was late)", labels=["where"])
+            for where in ("local", "remote", "fallback"):
+                segs.add_metric([where], par[f"{where}_segments"])
+            yield workers
+            yield segs
+            yield CounterMetricFamily("hypic_parallel_received_bytes", "Entry bytes received from workers",
+                                      value=par["received_bytes"])
+            yield CounterMetricFamily("hypic_parallel_errors", "Orders a worker answered with an error",
+                                      value=par["errors"])
