@@ -885,3 +885,40 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def _parallel_against_one_rank(parallel):
+    """A cold PIC request in bf16 on CUDA with segment-parallel workers against the one-rank CUDA engine (the workers
+    draw the preset's weights from its seed on their own GPU, so the CUDA engine's weights, not the CPU's). Bound:
+    twice the CPU reference's own bf16 error on this prompt, as test_engine_bf16_cuda_matches_cpu_reference; two bf16
+    runs that differ only in batch composition should sit far inside it."""
+    from hypic import LLM, Prompt
+
+    cpu = LLM("tiny-qwen3.5", device="cpu", dtype="float32", backend="reference")
+    cpu16 = LLM("tiny-qwen3.5", device="cpu", dtype="bfloat16", backend="reference")
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(cpu16.engine.model.named_parameters(), cpu.engine.model.named_parameters()):
+            a.copy_(b)
+    p = Prompt(segments=["alpha " * 40, "beta " * 50, "gamma " * 30, "delta " * 60], query="question?")
+    ref32 = cpu.next_token_logits(p)
+    yard = rel(cpu16.next_token_logits(p), ref32)
+    one = LLM("tiny-qwen3.5", device="cuda:0", dtype="bfloat16")
+    with LLM("tiny-qwen3.5", device="cuda:0", dtype="bfloat16", parallel=parallel) as llm:
+        got = llm.next_token_logits(p)
+        st = llm.parallel_stats()
+        assert st["remote_segments"] >= 1 and st["fallback_segments"] == 0, st
+    assert rel(got, one.next_token_logits(p)) <= 2 * max(yard, 1e-3)
+
+
+@cuda
+def test_parallel_prefill_on_one_gpu_over_gloo():
+    from hypic import ParallelConfig
+
+    _parallel_against_one_rank(ParallelConfig(workers=2, devices=("cuda:0",), transport="gloo", timeout_s=300.0))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_parallel_prefill_on_two_gpus_over_nccl():
+    from hypic import ParallelConfig
+
+    _parallel_against_one_rank(ParallelConfig(workers=2, transport="nccl", timeout_s=300.0))
