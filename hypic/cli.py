@@ -37,6 +37,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="what a segment's isolated prefill runs after: nothing, or the request's prefix")
 
 
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--segment-cache-gb", type=float, default=4.0, help="the segment store's device tier")
+    p.add_argument("--host-cache-gb", type=float, default=0.0,
+                   help="its host tier (pinned on CUDA): entries evicted from the device wait there")
+    p.add_argument("--disk-cache-dir", default="", help="its disk tier: entries written through, kept across restarts")
+    p.add_argument("--disk-cache-gb", type=float, default=64.0)
+
+
+def _store(a: argparse.Namespace) -> dict:
+    gb = 1 << 30
+    return dict(segment_cache_bytes=int(a.segment_cache_gb * gb), host_cache_bytes=int(a.host_cache_gb * gb),
+                disk_cache_dir=a.disk_cache_dir, disk_cache_bytes=int(a.disk_cache_gb * gb))
+
+
 def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="ranks that prefill cold segments, this process included (1: none; hypic.md 2.3)")
@@ -91,7 +105,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise HypicError("give --query or --query-file")
     prefix = _read(a.prefix, a.prefix_file)
     llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.mode, seam=a.seam, anchor=a.anchor,
-              load_format=a.load_format, seed=a.seed, parallel=_parallel(a))
+              load_format=a.load_format, seed=a.seed, parallel=_parallel(a), **_store(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed)
     with llm:
@@ -100,7 +114,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "ttft_ms": round(out.ttft_s * 1e3, 3), "prompt_tokens": out.num_prompt_tokens,
                           "prefix_tokens": out.prefix_tokens, "composed_tokens": out.composed_tokens,
-                          "recomputed_tokens": out.recomputed_tokens, "mode": out.mode}))
+                          "recomputed_tokens": out.recomputed_tokens, "cold_prefill_tokens": out.cold_prefill_tokens,
+                          "mode": out.mode}))
     else:
         print(out.text if out.text is not None else out.token_ids)
         print(f"[{out.mode}] ttft {out.ttft_s * 1e3:.1f} ms | prompt {out.num_prompt_tokens} tokens: "
@@ -166,7 +181,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .server.app import ServerConfig, build_app
 
     llm = LLM(a.model, device=a.device, dtype=a.dtype, cache_mode=a.cache_mode, seam=a.seam, anchor=a.anchor,
-              load_format=a.load_format, seed=a.seed, max_segments=a.max_segments, parallel=_parallel(a))
+              load_format=a.load_format, seed=a.seed, max_segments=a.max_segments, parallel=_parallel(a),
+              **_store(a))
     if a.warmup == "on" or (a.warmup == "auto" and llm.config.device.startswith("cuda")):
         times = llm.warmup(tokens=a.warmup_tokens)
         print("hypic: warm-up " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()), flush=True)
@@ -201,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _parallel_args(g)
+    _store_args(g)
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="a short RAG scenario under full, prefix and pic")
     _engine_args(d)
@@ -225,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                         "compile and tune kernels; auto: on for CUDA")
     s.add_argument("--warmup-tokens", type=int, default=2048)
     _parallel_args(s)
+    _store_args(s)
     s.set_defaults(fn=cmd_serve)
     w = sub.add_parser("worker", help="a segment-parallel worker started by hand, for `serve --rendezvous`")
     _engine_args(w)

@@ -656,7 +656,12 @@ class EngineConfig:
     seed: int = 0                      # dummy weights: drawn on `device` (a 35B model is not drawn on the host), so
                                        # one seed gives other weights on CUDA than on the CPU
     policy: CachePolicy = CachePolicy()
-    segment_cache_bytes: int = 4 << 30
+    segment_cache_bytes: int = 4 << 30    # the segment store's device tier
+    host_cache_bytes: int = 0             # its host tier (pinned on CUDA): entries evicted from the device go there and
+                                          # come back on a hit with one copy; 0: none
+    disk_cache_dir: str = ""              # its disk tier: every entry written through to this directory (persists across
+                                          # restarts; checked by sha256 when read); "": none
+    disk_cache_bytes: int = 64 << 30
     prefix_cache_bytes: int = 4 << 30
     namespace: str = "default"
     backend: str = "auto"              # op backend (hypic/ops): "auto" (= "fast"), "fast", "reference"
@@ -692,7 +697,7 @@ class EngineConfig:
             raise ConfigError(f"unknown load_format {self.load_format!r}; use 'auto', 'safetensors' or 'dummy'")
         if not isinstance(self.parallel, ParallelConfig):
             raise ConfigError(f"parallel must be a ParallelConfig, got {type(self.parallel).__name__}")
-        for name in ("segment_cache_bytes", "prefix_cache_bytes"):
+        for name in ("segment_cache_bytes", "prefix_cache_bytes", "host_cache_bytes", "disk_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
 

@@ -220,8 +220,9 @@ class LLM:
         return w.describe() if w is not None else None
 
     def close(self) -> None:
-        """Stops the engine's worker processes (segment-parallel cold prefill), if any. The LLM stays usable: later
-        cold segments are prefilled in this process. Also called on leaving a `with LLM(...) as llm:` block."""
+        """Stops the engine's worker processes (segment-parallel cold prefill), if any, and waits until the disk tier's
+        queued writes are on disk. The LLM stays usable: later cold segments are prefilled in this process. Also
+        called on leaving a `with LLM(...) as llm:` block."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":
@@ -231,4 +232,6 @@ class LLM:
         self.close()
 
     def cache_stats(self) -> dict:
-        return {"segments": self.engine.segments.stats().as_dict(), "prefix": self.engine.prefix.store.stats().as_dict()}
+        """Per store: entries, bytes, capacity, hits, misses, insertions, evictions, rejected; the segment store's host
+        and disk tiers, where configured, as "segments_host" and "segments_disk"."""
+        return {**self.engine.segments.tier_stats(), "prefix": self.engine.prefix.store.stats().as_dict()}

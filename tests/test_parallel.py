@@ -15,7 +15,7 @@ from hypic.config import EngineConfig, ModelConfig
 from hypic.errors import ConfigError, WorkerError
 from hypic.models.loader import load_model
 from hypic.models.presets import preset_config
-from hypic.prefill import wire
+from hypic.cache import wire
 from hypic.prefill.parallel import SegmentWorkers
 from hypic.prefill.placement import chunks, lpt, round_robin, segment_cost
 

@@ -46,12 +46,14 @@ class SegmentStore(Protocol):
 
 
 class MemoryStore:
-    """LRU under a byte budget, thread safe."""
+    """LRU under a byte budget, thread safe. on_evict(key, value), if given, is called for every value evicted to make
+    room (not for delete / clear / a refused put), after the store's lock is released: a tiered store moves it down."""
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, on_evict=None):
         self._data: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=capacity_bytes)
+        self._on_evict = on_evict
 
     def get(self, key):
         with self._lock:
@@ -70,6 +72,7 @@ class MemoryStore:
 
     def put(self, key, value) -> bool:
         size = value.nbytes
+        evicted = []
         with self._lock:
             cap = self._stats.capacity_bytes
             if size > cap:
@@ -79,13 +82,25 @@ class MemoryStore:
             if old is not None:
                 self._stats.bytes -= old.nbytes
             while self._data and self._stats.bytes + size > cap:
-                _, ev = self._data.popitem(last=False)
+                ek, ev = self._data.popitem(last=False)
                 self._stats.bytes -= ev.nbytes
                 self._stats.evictions += 1
+                evicted.append((ek, ev))
             self._data[key] = value
             self._stats.bytes += size
             self._stats.insertions += 1
-            return True
+        if self._on_evict is not None:
+            for ek, ev in evicted:
+                self._on_evict(ek, ev)
+        return True
+
+    def pop(self, key):
+        """Removes and returns the value (None if absent), without counting a hit or a miss."""
+        with self._lock:
+            v = self._data.pop(key, None)
+            if v is not None:
+                self._stats.bytes -= v.nbytes
+            return v
 
     def delete(self, key) -> bool:
         with self._lock:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..cache.entry import PrefixNode, SegmentEntry, SegmentKey
 from ..cache.prefix import PrefixCache
-from ..cache.store import MemoryStore
+from ..cache.store import SegmentStore
 from ..config import CacheMode, CachePolicy
 from ..segment.spans import TokenizedPrompt, tokens_digest
 
@@ -67,7 +67,7 @@ class PrefillPlan:
 
 
 class Planner:
-    def __init__(self, fingerprint: str, segments: MemoryStore, prefix: PrefixCache):
+    def __init__(self, fingerprint: str, segments: SegmentStore, prefix: PrefixCache):
         self.fingerprint = fingerprint
         self.segments = segments
         self.prefix = prefix

@@ -19,7 +19,7 @@ not change what is cached (rank 0's output equals a one-rank engine's; tests/tes
 Messages (rank 0 <-> worker r, in order per pair):
     header  int64 [4] = (kind, sender rank, order seq, description bytes)   control group, TAG_HDR
     description  pickled dict, uint8 [n]                                    control group, TAG_META
-    payload (ENTRY only)  uint8 [nbytes] (prefill/wire.py)                  data group, TAG_DATA
+    payload (ENTRY only)  uint8 [nbytes] (cache/wire.py)                  data group, TAG_DATA
 The receiver thread posts one receive from any source at a time; a worker that dies or stalls does not block it, and
 a late worker's entries, when they come, are recognised by their order seq and dropped; until then the worker is
 given no new order.
@@ -233,7 +233,7 @@ class SegmentWorkers:
     def prefill(self, slots: Sequence, starts: Sequence, local: Callable[[list[int]], list]) -> list:
         """Entries of `slots` (distinct cold SegmentSlots; starts[i] None unless slot i starts from a restored anchor
         state, which stays on rank 0). local(indices) prefills those slots here and returns their entries."""
-        from .wire import unpack
+        from ..cache.wire import unpack
 
         n = len(slots)
         entries: list = [None] * n
@@ -396,7 +396,7 @@ def serve(source: str, config: EngineConfig, rank: int, pc: ParallelConfig, port
     from ..models.loader import load_model
     from ..plan.planner import SegmentSlot
     from .isolated import prefill_segments
-    from .wire import pack
+    from ..cache.wire import pack
 
     if pc.threads:
         torch.set_num_threads(pc.threads)

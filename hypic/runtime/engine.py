@@ -15,7 +15,7 @@ import torch
 
 from ..cache.entry import PrefixNode
 from ..cache.prefix import PrefixCache
-from ..cache.store import MemoryStore
+from ..cache.tiers import TieredStore
 from ..config import CacheMode, CachePolicy, EngineConfig
 from ..plan.planner import Planner, PrefillPlan
 from ..prefill.isolated import prefill_segments
@@ -56,7 +56,8 @@ class Engine:
         self.cfg = loaded.config
         self.config = config
         self.device = torch.device(config.device)
-        self.segments = MemoryStore(config.segment_cache_bytes)
+        self.segments = TieredStore(self.device, config.segment_cache_bytes, config.host_cache_bytes,
+                                    config.disk_cache_dir or None, config.disk_cache_bytes)
         self.prefix = PrefixCache(config.prefix_cache_bytes, loaded.fingerprint)
         self.planner = Planner(loaded.fingerprint, self.segments, self.prefix)
         tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
@@ -220,7 +221,8 @@ class Engine:
 
     def close(self) -> None:
         """Stops the segment-parallel workers, if any (the engine goes on serving with cold prefills on this rank
-        only)."""
+        only), and waits for the disk tier's queued writes."""
+        self.segments.flush()
         if self.workers is not None:
             self.workers.close()
             self.workers = None

@@ -318,11 +318,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
 
     @app.delete("/admin/segments/{key}", dependencies=[Depends(auth)])
     async def admin_delete(key: str):
-        store = llm.engine.segments
-        for k in store.keys():
-            if k.id == key:
-                store.delete(k)
-                return {"deleted": key}
+        if llm.engine.segments.delete_id(key):          # every tier: device, host, disk
+            return {"deleted": key}
         raise ApiError(404, f"no cached segment {key!r}", "not_found_error")
 
     @app.post("/admin/clear", dependencies=[Depends(auth)])

@@ -11,9 +11,11 @@ the order the part's constructor takes them. Layers of a part kind not listed in
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from ..cache.entry import AttnKV, LinearSummary, SegmentEntry
+from .entry import AttnKV, LinearSummary, SegmentEntry, SegmentKey
 from ..compose.transition import Form, Transition
 
 ALIGN = 64                                     # bytes: a dtype view of the payload at an aligned offset is legal
@@ -78,3 +80,21 @@ def unpack(meta: dict, payload: torch.Tensor) -> SegmentEntry:
         layers[layer] = _build(kind, extra, ts)
     return SegmentEntry(meta["key"], tuple(meta["seam_ids"]), meta["length"], meta["seam"], layers,
                         prefill_s=meta["prefill_s"], created=meta["created"], origin=meta["origin"])
+
+
+def meta_to_json(meta: dict) -> str:
+    """The description as JSON (for files: reading it back runs no code, unlike a pickle)."""
+    d = dict(meta)
+    k = d["key"]
+    d["key"] = {"model": k.model, "namespace": k.namespace, "tokens": k.tokens, "seam": k.seam, "anchor": k.anchor}
+    d["seam_ids"] = list(d["seam_ids"])
+    return json.dumps(d, sort_keys=True)
+
+
+def meta_from_json(text: str) -> dict:
+    d = json.loads(text)
+    d["key"] = SegmentKey(**d["key"])
+    d["seam_ids"] = tuple(d["seam_ids"])
+    d["layers"] = [(layer, kind, tuple(extra), [None if x is None else (x[0], x[1], tuple(x[2])) for x in spec])
+                   for layer, kind, extra, spec in d["layers"]]
+    return d
