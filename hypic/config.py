@@ -662,6 +662,8 @@ class EngineConfig:
     disk_cache_dir: str = ""              # its disk tier: every entry written through to this directory (persists across
                                           # restarts; checked by sha256 when read); "": none
     disk_cache_bytes: int = 64 << 30
+    eviction: str = "lru"                 # the segment store's device and host tiers: "lru", or "cost" (GreedyDual-Size
+                                          # on the prefill work an entry saves per byte it holds: cache/store.py)
     prefix_cache_bytes: int = 4 << 30
     namespace: str = "default"
     backend: str = "auto"              # op backend (hypic/ops): "auto" (= "fast"), "fast", "reference"
@@ -689,6 +691,8 @@ class EngineConfig:
             raise ConfigError(f"compose_pieces must be >= 1, got {self.compose_pieces}")
         if self.compose_first_piece < 0:
             raise ConfigError(f"compose_first_piece must be >= 0, got {self.compose_first_piece}")
+        if self.eviction not in ("lru", "cost"):
+            raise ConfigError(f"unknown eviction {self.eviction!r}; use 'lru' or 'cost'")
         if self.walk not in ("phased", "rounds"):
             raise ConfigError(f"unknown walk {self.walk!r}; use 'phased' or 'rounds'")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):

@@ -170,3 +170,43 @@ def test_generate_twice_from_the_command_line_reuses_the_disk_tier(tmp_path):
     one, two = (json.loads(r.stdout) for r in runs)
     assert one["cold_prefill_tokens"] > 0 and two["cold_prefill_tokens"] == 0
     assert one["token_ids"] == two["token_ids"]
+
+
+def test_cost_aware_eviction_keeps_work_per_byte_and_still_ages():
+    """GreedyDual-Size: the value saving the least work per byte goes first (not the least recent); a value that is
+    never used again is evicted once the clock (the last victim's priority) has passed it."""
+    class V:
+        def __init__(self, nbytes, work):
+            self.nbytes, self.work = nbytes, work
+
+    s = MemoryStore(30, cost=lambda v: v.work)
+    s.put("dear", V(10, 100.0))        # 10 per byte
+    s.put("cheap", V(10, 10.0))        # 1 per byte
+    s.put("mid", V(10, 50.0))          # 5 per byte
+    s.get("cheap")                     # recent, but still the cheapest
+    s.put("new", V(10, 40.0))          # 4 per byte: evicts "cheap" (LRU would evict "dear")
+    assert "cheap" not in s and "dear" in s
+    s.put("n2", V(10, 40.0))           # clock 1 -> priorities dear 10, mid 5, new 5, n2 5: "mid" (oldest of the 5s)
+    assert "mid" not in s
+    for i in range(4):                 # a stream of 4-per-byte values: each eviction raises the clock by ~4-5 ...
+        s.put(f"x{i}", V(10, 40.0))
+    assert "dear" not in s             # ... until "dear", never hit again, is the lowest and goes
+    s.check()
+
+
+def test_engine_with_cost_eviction_keeps_long_segments(plain):
+    """Through the engine (eviction="cost"), a budget of the long entry and one short one: a 200-token segment,
+    then three short ones, one request each. LRU ends with the short ones; cost-aware keeps the long one, which
+    saves the most prefill per byte (the short ones' entries are mostly their fixed linear-layer state)."""
+    segs = [rand_ids(n, 40 + i) for i, n in enumerate((200, 20, 30, 25))]
+    plain.clear_cache()
+    plain.generate([Prompt(segments=segs, query=[1])], SamplingParams(max_tokens=1))
+    size = {e.length: e.nbytes for e in plain.engine.segments.values()}
+    kept = {}
+    for eviction in ("lru", "cost"):
+        llm = LLM("tiny-qwen3.5", eviction=eviction, segment_cache_bytes=size[200] + size[30] + 1000)
+        for seg in segs:
+            llm.generate([Prompt(segments=[seg], query=[1])], SamplingParams(max_tokens=1))
+        kept[eviction] = sorted(e.length for e in llm.engine.segments.values())
+        llm.engine.segments.check()
+    assert kept["lru"] == [20, 25, 30] and kept["cost"] == [25, 200]

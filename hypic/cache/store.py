@@ -46,14 +46,36 @@ class SegmentStore(Protocol):
 
 
 class MemoryStore:
-    """LRU under a byte budget, thread safe. on_evict(key, value), if given, is called for every value evicted to make
-    room (not for delete / clear / a refused put), after the store's lock is released: a tiered store moves it down."""
+    """Values under a byte budget, thread safe. Eviction: least recently used, or with `cost` (value -> the work its
+    reuse saves, e.g. prefill FLOPs) GreedyDual-Size: each value's priority is L + cost / bytes, set when it is stored
+    or hit, L being the priority of the last value evicted; the lowest priority goes first (ties: the least recent).
+    It keeps what saves the most work per byte and still ages out what is not used (L rises with every eviction).
+    on_evict(key, value), if given, is called for every value evicted to make room (not for delete / clear / a
+    refused put), after the store's lock is released: a tiered store moves it down."""
 
-    def __init__(self, capacity_bytes: int, on_evict=None):
+    def __init__(self, capacity_bytes: int, on_evict=None, cost=None):
         self._data: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=capacity_bytes)
         self._on_evict = on_evict
+        self._cost = cost
+        self._prio: dict[Hashable, float] = {}
+        self._clock = 0.0
+
+    def _touch(self, key, value) -> None:
+        if self._cost is not None:
+            self._prio[key] = self._clock + self._cost(value) / max(value.nbytes, 1)
+
+    def _victim(self):
+        """The key to evict next (the store is not empty)."""
+        if self._cost is None:
+            return next(iter(self._data))
+        best = None
+        for k in self._data:                       # oldest first: a tie keeps the least recent
+            if best is None or self._prio[k] < self._prio[best]:
+                best = k
+        self._clock = self._prio[best]
+        return best
 
     def get(self, key):
         with self._lock:
@@ -62,6 +84,7 @@ class MemoryStore:
                 self._stats.misses += 1
                 return None
             self._data.move_to_end(key)
+            self._touch(key, v)
             self._stats.hits += 1
             return v
 
@@ -82,11 +105,14 @@ class MemoryStore:
             if old is not None:
                 self._stats.bytes -= old.nbytes
             while self._data and self._stats.bytes + size > cap:
-                ek, ev = self._data.popitem(last=False)
+                ek = self._victim()
+                ev = self._data.pop(ek)
+                self._prio.pop(ek, None)
                 self._stats.bytes -= ev.nbytes
                 self._stats.evictions += 1
                 evicted.append((ek, ev))
             self._data[key] = value
+            self._touch(key, value)
             self._stats.bytes += size
             self._stats.insertions += 1
         if self._on_evict is not None:
@@ -99,21 +125,18 @@ class MemoryStore:
         with self._lock:
             v = self._data.pop(key, None)
             if v is not None:
+                self._prio.pop(key, None)
                 self._stats.bytes -= v.nbytes
             return v
 
     def delete(self, key) -> bool:
-        with self._lock:
-            v = self._data.pop(key, None)
-            if v is None:
-                return False
-            self._stats.bytes -= v.nbytes
-            return True
+        return self.pop(key) is not None
 
     def clear(self, counters: bool = False) -> None:
         """Drops every entry; with counters, also the hit / miss / insertion / eviction counts."""
         with self._lock:
             self._data.clear()
+            self._prio.clear()
             self._stats.bytes = 0
             if counters:
                 self._stats = StoreStats(capacity_bytes=self._stats.capacity_bytes)
@@ -137,6 +160,7 @@ class MemoryStore:
         with self._lock:
             total = sum(v.nbytes for v in self._data.values())
             assert total == self._stats.bytes, (total, self._stats.bytes)
+            assert self._cost is None or self._prio.keys() == self._data.keys()
             assert total <= self._stats.capacity_bytes
 
     def __contains__(self, key) -> bool:

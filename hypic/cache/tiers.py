@@ -47,6 +47,14 @@ class PackedEntry:
     def nbytes(self) -> int:
         return int(self.payload.numel())
 
+    @property
+    def length(self) -> int:
+        return self.meta["length"]
+
+    @property
+    def origin(self) -> int:
+        return self.meta["origin"]
+
     @classmethod
     def of(cls, entry: SegmentEntry, pin: bool) -> "PackedEntry":
         """pin: the bytes in page-locked host memory (a CUDA engine's host tier: copies back to the GPU at full
@@ -238,13 +246,15 @@ class TieredStore:
     delete / clear act on every tier (clear also deletes the disk tier's files)."""
 
     def __init__(self, device: torch.device, device_bytes: int, host_bytes: int = 0, disk_dir: str | None = None,
-                 disk_bytes: int = 0):
+                 disk_bytes: int = 0, cost=None):
+        """cost: None (LRU) or SegmentEntry -> the prefill work its reuse saves (GreedyDual-Size in the device and host
+        tiers; a PackedEntry is costed from its description's length and origin, the same figure)."""
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
         self._lock = threading.RLock()
-        self.host = MemoryStore(host_bytes) if host_bytes > 0 else None
+        self.host = MemoryStore(host_bytes, cost=cost) if host_bytes > 0 else None
         self.disk = DiskStore(disk_dir, disk_bytes) if disk_dir else None
-        self.mem = MemoryStore(device_bytes, on_evict=self._demote if self.host is not None else None)
+        self.mem = MemoryStore(device_bytes, on_evict=self._demote if self.host is not None else None, cost=cost)
         self.promotions = {"host": 0, "disk": 0}
 
     def _demote(self, key, entry: SegmentEntry) -> None:

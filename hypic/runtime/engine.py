@@ -20,6 +20,7 @@ from ..config import CacheMode, CachePolicy, EngineConfig
 from ..plan.planner import Planner, PrefillPlan
 from ..prefill.isolated import prefill_segments
 from ..prefill.parallel import SegmentWorkers
+from ..prefill.placement import segment_cost
 from ..segment.spans import TokenizedPrompt
 from ..types import RequestOutput, SamplingParams
 from .batch import BatchBuilder
@@ -56,8 +57,10 @@ class Engine:
         self.cfg = loaded.config
         self.config = config
         self.device = torch.device(config.device)
+        cost = None if config.eviction == "lru" else (                 # the isolated prefill's work it saves
+            lambda e, cfg=loaded.config: segment_cost(e.origin + e.length, cfg))
         self.segments = TieredStore(self.device, config.segment_cache_bytes, config.host_cache_bytes,
-                                    config.disk_cache_dir or None, config.disk_cache_bytes)
+                                    config.disk_cache_dir or None, config.disk_cache_bytes, cost=cost)
         self.prefix = PrefixCache(config.prefix_cache_bytes, loaded.fingerprint)
         self.planner = Planner(loaded.fingerprint, self.segments, self.prefix)
         tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
