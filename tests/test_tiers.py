@@ -210,3 +210,18 @@ def test_engine_with_cost_eviction_keeps_long_segments(plain):
         kept[eviction] = sorted(e.length for e in llm.engine.segments.values())
         llm.engine.segments.check()
     assert kept["lru"] == [20, 25, 30] and kept["cost"] == [25, 200]
+
+
+def test_tiers_show_in_the_server_metrics(tmp_path):
+    from prometheus_client import generate_latest
+
+    from hypic.runtime.scheduler import Scheduler, SchedulerConfig
+    from hypic.server.metrics import Metrics
+
+    llm = LLM("tiny-qwen3.5", host_cache_bytes=1 << 20, disk_cache_dir=str(tmp_path))
+    llm.generate([_prompt(7, n=2)], SP)
+    llm.engine.segments.flush()
+    text = generate_latest(Metrics(llm, Scheduler(llm.engine, SchedulerConfig())).registry).decode()
+    for line in ('hypic_store_entries{store="segments_disk"} 2.0', 'hypic_store_entries{store="segments_host"} 0.0',
+                 'hypic_store_entries{store="segments"} 2.0'):
+        assert line in text, [x for x in text.splitlines() if "store_entries" in x]
