@@ -38,7 +38,8 @@ def entry_bytes(cfg: ModelConfig, length: int, seam: int) -> int:
     p = cfg.params
     hv, dk, dv = p.linear_num_value_heads, p.linear_key_head_dim, p.linear_value_head_dim
     conv_dim = 2 * p.linear_num_key_heads * dk + hv * dv
-    linear = len(cfg.linear_layers) * (hv * dk * dk * 4 + hv * dk * dv * 4 + (p.linear_conv_kernel_dim - 1) * conv_dim * 2)
+    per_layer = hv * dk * dk * 4 + hv * dk * dv * 4 + (p.linear_conv_kernel_dim - 1) * conv_dim * 2   # T, S, tail
+    linear = len(cfg.linear_layers) * per_layer
     attn = len(cfg.attention_layers) * (length - seam) * p.num_key_value_heads * p.head_dim * 2 * 2
     return linear + attn
 

@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--lengths", default="2048,1536,1024x2,768,512x2,256", help="segment lengths: N or NxK, comma-separated")
+    ap.add_argument("--lengths", default="2048,1536,1024x2,768,512x2,256",
+                    help="segment lengths: N or NxK, comma-separated")
     ap.add_argument("--query-len", type=int, default=32)
     ap.add_argument("--seam", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)

@@ -659,8 +659,8 @@ class EngineConfig:
     segment_cache_bytes: int = 4 << 30    # the segment store's device tier
     host_cache_bytes: int = 0             # its host tier (pinned on CUDA): entries evicted from the device go there and
                                           # come back on a hit with one copy; 0: none
-    disk_cache_dir: str = ""              # its disk tier: every entry written through to this directory (persists across
-                                          # restarts; checked by sha256 when read); "": none
+    disk_cache_dir: str = ""              # its disk tier: every entry written through to this directory (persists
+                                          # across restarts; checked by sha256 when read); "": none
     disk_cache_bytes: int = 64 << 30
     eviction: str = "lru"                 # the segment store's device and host tiers: "lru", or "cost" (GreedyDual-Size
                                           # on the prefill work an entry saves per byte it holds: cache/store.py)

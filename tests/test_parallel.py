@@ -151,7 +151,8 @@ def test_parallel_cold_prefill_equals_one_rank(reference):
         st = llm.parallel_stats()
         assert st["local_segments"] == 1 and st["remote_segments"] == 4 and st["remote_tokens"] == 195
         assert st["orders"] == 2 and st["fallback_segments"] == 0 and st["received_bytes"] > 0
-        _metrics_show(llm, 'hypic_parallel_segments_total{where="remote"} 4.0', 'hypic_parallel_workers{state="ready"} 2.0')
+        _metrics_show(llm, 'hypic_parallel_segments_total{where="remote"} 4.0',
+                      'hypic_parallel_workers{state="ready"} 2.0')
         rev = Prompt(segments=p.segments[::-1], query=p.query)
         warm = llm.generate([rev], SP)[0]
         assert warm.cold_prefill_tokens == 0 and llm.parallel_stats()["orders"] == 2

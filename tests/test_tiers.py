@@ -93,7 +93,8 @@ def test_disk_tier_persists_across_engines(plain, tmp_path):
     other.engine.segments.flush()
     assert len(list(tmp_path.glob("*.safetensors"))) == 10
     b.clear_cache()                                                             # b's five files, not the other's
-    assert {f.name for f in tmp_path.glob("*.safetensors")} == {k.id + ".safetensors" for k in other.engine.segments.keys()}
+    names = {f.name for f in tmp_path.glob("*.safetensors")}
+    assert names == {k.id + ".safetensors" for k in other.engine.segments.keys()}
     other.clear_cache()
     assert not list(tmp_path.glob("*.safetensors"))
 

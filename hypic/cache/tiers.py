@@ -74,20 +74,9 @@ class PackedEntry:
 
 
 @dataclass
-class DiskStats:
-    entries: int = 0
-    bytes: int = 0
-    capacity_bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    insertions: int = 0
-    evictions: int = 0
-    rejected: int = 0
+class DiskStats(StoreStats):
     corrupt: int = 0                   # files whose bytes did not match their checksum (deleted)
     write_errors: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class DiskStore:

@@ -278,6 +278,37 @@ def chunk_state_pass(u0, w, k_tail, chunk_decay, init):
     return torch.stack(starts, dim=2), s
 
 
+def _varlen_chunks(x, tok, m: int, c: int):
+    """[1, T, H, *] packed -> [1, H, M, C, *] at _chunk_layout's token slots (pad slots: zero rows, inert: see
+    _pad_varlen)."""
+    xz = torch.cat([x[0], x.new_zeros((1,) + tuple(x.shape[2:]))])[tok]
+    return xz.reshape(m, c, *x.shape[2:]).movedim(2, 0)[None]
+
+
+def _chunk_outputs(q_decay, qk, u0, w, k_tail, chunk_decay, s0, t=None, varlen=None):
+    """The chunked forms' finish: the chunk states walked in order, every chunk's outputs from its entering state.
+    Dense: inputs [B, H, n, C, *] (chunk_decay [B, H, n, K]), the first t tokens kept. Varlen (varlen = (grid, place,
+    back) of _chunk_layout): inputs [1, H, M, C, *], the states walked on the [N, n_max] grid (cells past a sequence's
+    end are identity maps), the tokens put back in packed order. s0 [B or N, H, K, V].
+    Returns (o [B, T, H, V], final)."""
+    b, h, m, c, dv = *u0.shape[:4], u0.shape[-1]
+    dk = w.shape[-1]
+    if varlen is None:
+        starts, s = chunk_state_pass(u0, w, k_tail, chunk_decay, s0)
+        o = q_decay @ starts + qk @ (u0 - w @ starts)
+        return o.reshape(b, h, -1, dv)[:, :, :t].transpose(1, 2), s
+    grid, place, back = varlen
+
+    def on_grid(x, fill):           # [1, H, M, *] -> [N, H, n_max, *], cells past a sequence's end `fill`
+        xz = torch.cat([x[0], torch.full_like(x[0, :, :1], fill)], dim=1)[:, grid]       # [H, N, n_max, *]
+        return xz.transpose(0, 1)
+
+    starts, s = chunk_state_pass(on_grid(u0, 0.0), on_grid(w, 0.0), on_grid(k_tail, 0.0), on_grid(chunk_decay, 1.0), s0)
+    starts = starts.transpose(0, 1).reshape(h, -1, dk, dv)[:, place][None]            # [1, H, M, K, V]
+    o = q_decay @ starts + qk @ (u0 - w @ starts)                                       # [1, H, M, C, V]
+    return o[0].reshape(h, m * c, dv)[:, back].transpose(0, 1)[None], s                # [1, T, H, V]
+
+
 def chunk_gated_delta_rule(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64,
@@ -306,12 +337,7 @@ def chunk_gated_delta_rule(
         if m == 0:                  # no tokens: nothing written, every state as it entered
             s0 = q.new_zeros(n_seq, hv, dk, dv) if initial_state is None else initial_state.float()
             return v.new_zeros(v.shape).to(dtype), (s0 if output_final_state else None)
-
-        def chunks(x):              # [1, T, HV, *] -> [1, HV, M, C, *] (pad slots: zero rows, inert: see _pad_varlen)
-            xz = torch.cat([x[0], x.new_zeros((1,) + tuple(x.shape[2:]))])[tok]
-            return xz.reshape(m, c, *x.shape[2:]).movedim(2, 0)[None]
-
-        q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (_varlen_chunks(x, tok, m, c) for x in (q, k, v, g, beta))
         b = 1
     else:
         b, t, hv = v.shape[:3]
@@ -328,20 +354,7 @@ def chunk_gated_delta_rule(
     q_decay = q * G.exp()[..., None]
     k_tail = k * (G[..., -1:] - G).exp()[..., None]
     chunk_decay = G[..., -1].exp()[..., None].expand(*G.shape[:-1], dk)     # [B, HV, n, K]
-    if cu_seqlens is None:
-        s0 = q.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.float()
-        starts, s = chunk_state_pass(u0, w, k_tail, chunk_decay, s0)
-        o = q_decay @ starts + qk @ (u0 - w @ starts)
-        o = o.reshape(b, hv, -1, dv)[:, :, :t].transpose(1, 2)
-        return o.to(dtype), (s if output_final_state else None)
-
-    def on_grid(x, fill):           # [1, HV, M, *] -> [N, HV, n_max, *], cells past a sequence's end `fill`
-        xz = torch.cat([x[0], torch.full_like(x[0, :, :1], fill)], dim=1)[:, grid]       # [HV, N, n_max, *]
-        return xz.transpose(0, 1)
-
-    s0 = q.new_zeros(n_seq, hv, dk, dv) if initial_state is None else initial_state.float()
-    starts, s = chunk_state_pass(on_grid(u0, 0.0), on_grid(w, 0.0), on_grid(k_tail, 0.0), on_grid(chunk_decay, 1.0), s0)
-    starts = starts.transpose(0, 1).reshape(hv, -1, dk, dv)[:, place][None]           # [1, HV, M, K, V]
-    o = q_decay @ starts + qk @ (u0 - w @ starts)                                       # [1, HV, M, C, V]
-    o = o[0].reshape(hv, m * c, dv)[:, back].transpose(0, 1)[None]                      # [1, T, HV, V]
+    s0 = q.new_zeros(b if cu_seqlens is None else n_seq, hv, dk, dv) if initial_state is None else initial_state.float()
+    o, s = _chunk_outputs(q_decay, qk, u0, w, k_tail, chunk_decay, s0, t=None if cu_seqlens is not None else t,
+                          varlen=None if cu_seqlens is None else (grid, place, back))
     return o.to(dtype), (s if output_final_state else None)

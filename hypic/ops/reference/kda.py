@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gated_delta import _chunk_layout, _pad_varlen, _unpad, chunk_state_pass, l2norm
+from .gated_delta import _chunk_layout, _pad_varlen, _unpad, _chunk_outputs, _varlen_chunks, l2norm
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
@@ -72,12 +72,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
             s0 = q.new_zeros(n_seq, q.shape[2], dk, dv) if initial_state is None else initial_state.float()
             return v.new_zeros(v.shape).to(dtype), (s0 if output_final_state else None)
 
-        def chunks(x):              # [1, T, H, *] -> [1, H, M, C, *] (pad slots: zero rows, inert: see _pad_varlen)
-            xz = torch.cat([x[0], x.new_zeros((1,) + tuple(x.shape[2:]))])[tok]
-            return xz.reshape(m, c, *x.shape[2:]).movedim(2, 0)[None]
-
         h = q.shape[2]
-        q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (_varlen_chunks(x, tok, m, c) for x in (q, k, v, g, beta))
         b = 1
     else:
         b, t, h = v.shape[:3]
@@ -99,20 +95,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     q_decay = q * G.exp()
     k_tail = k * (G[..., -1:, :] - G).exp()
     chunk_decay = G[..., -1, :].exp()                            # [B, H, n, K]
-    if cu_seqlens is None:
-        s0 = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
-        starts, s = chunk_state_pass(u0, w, k_tail, chunk_decay, s0)
-        o = q_decay @ starts + qk @ (u0 - w @ starts)
-        o = o.reshape(b, h, -1, dv)[:, :, :t].transpose(1, 2)
-        return o.to(dtype), (s if output_final_state else None)
-
-    def on_grid(x, fill):           # [1, H, M, *] -> [N, H, n_max, *], cells past a sequence's end `fill`
-        xz = torch.cat([x[0], torch.full_like(x[0, :, :1], fill)], dim=1)[:, grid]       # [H, N, n_max, *]
-        return xz.transpose(0, 1)
-
-    s0 = q.new_zeros(n_seq, h, dk, dv) if initial_state is None else initial_state.float()
-    starts, s = chunk_state_pass(on_grid(u0, 0.0), on_grid(w, 0.0), on_grid(k_tail, 0.0), on_grid(chunk_decay, 1.0), s0)
-    starts = starts.transpose(0, 1).reshape(h, -1, dk, dv)[:, place][None]             # [1, H, M, K, V]
-    o = q_decay @ starts + qk @ (u0 - w @ starts)                                       # [1, H, M, C, V]
-    o = o[0].reshape(h, m * c, dv)[:, back].transpose(0, 1)[None]                       # [1, T, H, V]
+    s0 = q.new_zeros(b if cu_seqlens is None else n_seq, h, dk, dv) if initial_state is None else initial_state.float()
+    o, s = _chunk_outputs(q_decay, qk, u0, w, k_tail, chunk_decay, s0, t=None if cu_seqlens is not None else t,
+                          varlen=None if cu_seqlens is None else (grid, place, back))
     return o.to(dtype), (s if output_final_state else None)
