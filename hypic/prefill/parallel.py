@@ -65,7 +65,14 @@ def _groups(store, rank: int, pc: ParallelConfig, transport: str, timeout: datet
     torch.distributed in this process is left alone)."""
     import torch.distributed as dist
 
-    ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", store), rank, pc.workers, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    # ranks on one host (spawned, or a loopback rendezvous) talk over the loopback device, with no dependence on the
+    # host name resolving; ranks on several hosts use the device gloo picks for this host's name
+    local = pc.spawn or pc.host in ("127.0.0.1", "localhost", "::1")
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if local
+                     else dist.ProcessGroupGloo.create_default_device()]
+    ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", store), rank, pc.workers, opts)
     if transport == "gloo":
         return ctl, ctl
     opts = dist.ProcessGroupNCCL.Options()
