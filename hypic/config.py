@@ -605,7 +605,8 @@ class ParallelConfig:
     port: int = 0                      # its port; 0: a free one (spawn only)
     transport: str = "auto"            # entry tensors between ranks: "gloo" (through host memory), "nccl" (GPU to GPU);
                                        # auto: nccl on CUDA, gloo elsewhere. Orders and headers always go over gloo
-    timeout_s: float = 120.0           # a cold prefill's results from the workers must all arrive within this
+    timeout_s: float = 120.0           # a cold prefill's entries from the workers must all arrive within this, counted
+                                       # from when rank 0 has prefilled its own share
     startup_timeout_s: float = 600.0   # workers must load their model and join within this
     threads: int = 0                   # torch threads of a CPU worker (0: torch's default, one per core)
     placement: str = "lpt"             # "lpt" (longest first to the least-loaded rank) or "count" (round robin in

@@ -120,7 +120,8 @@ def run(a) -> None:
                 raise SystemExit(f"{out} holds results of other weights ({r.get('weights') or 'not recorded'}; "
                                  f"{a.model}: {digest}): pass another --out")
             done.add((r["mode"], r["seam"], r["i"]))
-    llm = LLM(a.model, cache_mode="full", device=a.device)
+    cache = int(a.cache_gb * (1 << 30))
+    llm = LLM(a.model, cache_mode="full", device=a.device, segment_cache_bytes=cache, prefix_cache_bytes=cache)
     eos = llm.tokenizer.eos_token_ids
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     modes = [parse_mode(m) for m in a.modes.split(",")]
@@ -298,6 +299,10 @@ def main() -> None:
     ap.add_argument("--shard", default="0/1", help="i/m: only questions with index %% m == i (parallel runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cache-gb", type=float, default=1.0,
+                    help="the segment and the prefix store's budgets each; results do not depend on it (invariant 4), "
+                         "memory does: at the engine's 4 GiB default two evaluations with several modes side by side "
+                         "outgrew this 24 GB machine")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     ap.add_argument("--out")
     ap.add_argument("--report", nargs="*", help="print the table of these result files")

@@ -922,3 +922,28 @@ def test_parallel_prefill_on_two_gpus_over_nccl():
     from hypic import ParallelConfig
 
     _parallel_against_one_rank(ParallelConfig(workers=2, transport="nccl", timeout_s=300.0))
+
+
+@cuda
+def test_host_and_disk_tiers_on_cuda(tmp_path):
+    """Entries evicted from the GPU wait in pinned host memory and come back bit for bit; a second engine on the same
+    disk directory serves them from files (cache/tiers.py; tests/test_tiers.py has the CPU versions)."""
+    from hypic import LLM, Prompt, SamplingParams
+
+    sp = SamplingParams(max_tokens=3, return_logits=True)
+    segs = [f"document {i} " * (8 + 3 * i) for i in range(5)]
+    p, rev = Prompt(segments=segs, query="q?"), Prompt(segments=segs[::-1], query="q?")
+    plain = LLM("tiny-qwen3.5", device="cuda", dtype="bfloat16", compose="eager")
+    want = [plain.generate([x], sp)[0] for x in (p, rev)]
+    one = max(e.nbytes for e in plain.engine.segments.values())
+    llm = LLM("tiny-qwen3.5", device="cuda", dtype="bfloat16", compose="eager", segment_cache_bytes=2 * one,
+              host_cache_bytes=10 * one, disk_cache_dir=str(tmp_path))
+    got = [llm.generate([x], sp)[0] for x in (p, rev)]
+    assert llm.engine.segments.promotions["host"] >= 1 and got[1].cold_prefill_tokens == 0
+    assert all(e.payload.is_pinned() for e in llm.engine.segments.host.values())
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
+    llm.close()
+    again = LLM("tiny-qwen3.5", device="cuda", dtype="bfloat16", compose="eager", disk_cache_dir=str(tmp_path))
+    out = again.generate([rev], sp)[0]
+    assert out.cold_prefill_tokens == 0 and torch.equal(out.logits, want[1].logits)

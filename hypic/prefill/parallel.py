@@ -299,11 +299,15 @@ class SegmentWorkers:
                 continue
             elif kind == ENTRY:
                 i = desc["index"]
-                if i in want and desc["entry"]["key"] == slots[i].key:
-                    entries[i] = unpack(desc["entry"], self._payload(payload))
-                    want.discard(i)
-                    self.stats.remote_segments += 1
-                    self.stats.remote_tokens += len(slots[i].tokens)
+                if i not in want:
+                    continue
+                want.discard(i)
+                if desc["entry"]["key"] != slots[i].key:    # not what was ordered: prefilled here instead
+                    log.error("worker %d sent an entry for another key at index %d", rank, i)
+                    continue
+                entries[i] = unpack(desc["entry"], self._payload(payload))
+                self.stats.remote_segments += 1
+                self.stats.remote_tokens += len(slots[i].tokens)
             elif kind == ERROR:
                 want -= set(desc["missing"])
         for w in self.workers:                           # whoever still owes entries of this order is late
