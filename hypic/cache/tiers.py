@@ -268,9 +268,6 @@ class TieredStore:
             self.promotions[src] += 1
             return entry
 
-    def peek(self, key):
-        return self.mem.peek(key)
-
     def put(self, key, entry: SegmentEntry) -> bool:
         with self._lock:
             ok = self.mem.put(key, entry)

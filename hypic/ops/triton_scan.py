@@ -143,6 +143,23 @@ def _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K: tl.constexpr, V:
 
 
 @triton.jit
+def _correct_or_keep(x, is_run, row, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H: tl.constexpr,
+                     K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
+    """What a step does with x, the state entering it, when the step is a run: with CORRECT, the run's tokens'
+    outputs corrected in place (o_t += x^T u_t); without, x kept at the run's `before` slot."""
+    if CORRECT:
+        uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
+        u = tl.load(uptr, mask=mu, other=0.0)
+        o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
+        if is_run:
+            corr = tl.dot(u.to(tl.float32), x, input_precision=PREC)                 # [BT, BV]
+            tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mo)
+    else:
+        slot = tl.load(row + 3)
+        tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
+
+
+@triton.jit
 def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk, off_at,
                 off_as, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr,
                 CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr,
@@ -179,16 +196,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
             t_lo = tl.load(tlp + h * (K * K) + rk[:, None] * K + rk[None, :], mask=m_kk & (is_run == 0), other=0.0)
     else:
         t, s = _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
-    if CORRECT:
-        uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
-        u = tl.load(uptr, mask=mu, other=0.0)
-        o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
-        if is_run:
-            corr = tl.dot(u.to(tl.float32), x, input_precision=PREC)                 # [BT, BV]
-            tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mo)
-    else:
-        slot = tl.load(row + 3)
-        tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
+    _correct_or_keep(x, is_run, row, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, CORRECT, BT)
     if FACTORS:
         if is_run:
             y = tl.dot(wf, x, input_precision=PREC)                                    # [BF, BV]
@@ -210,16 +218,7 @@ def _dense_rest(x, t, s, is_run, row, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
                 K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr):
     """A dense step after its map (t, s) was loaded: the run's correction or its `before` slot, then T x + S (as
     _chain_step's dense form)."""
-    if CORRECT:
-        uptr, mu, optr, mo = _correction_rows(row, is_run, ou, s_ot, s_oh, h, rk, rv, K, V, BT)
-        u = tl.load(uptr, mask=mu, other=0.0)
-        o0 = tl.load(optr, mask=mo, other=0.0).to(tl.float32)
-        if is_run:
-            corr = tl.dot(u.to(tl.float32), x, input_precision=PREC)
-            tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mo)
-    else:
-        slot = tl.load(row + 3)
-        tl.store(before + (slot * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv & is_run)
+    _correct_or_keep(x, is_run, row, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K, V, PREC, CORRECT, BT)
     return tl.dot(t, x, input_precision=PREC) + s
 
 
