@@ -2,7 +2,8 @@
 path, prefill/isolated.py), side by side in one run: a varlen op that pads every sequence to the longest makes one
 batch of uneven segments slower than the segments one by one.
 
-    python benchmarks/isolated_batch.py [--model small-qwen3.5] [--threads 1] [--out benchmarks/results/isolated_batch.json]
+    python benchmarks/isolated_batch.py [--model small-qwen3.5] [--threads 1] \
+        [--out benchmarks/results/isolated_batch.json]
 """
 
 from __future__ import annotations
