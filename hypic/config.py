@@ -458,6 +458,97 @@ def _parse_lfm2(hf):
 
 
 @dataclass(frozen=True)
+class GraniteHybridParams:
+    """IBM Granite 4.0-H (`granitemoehybrid`): Mamba2 and attention layers (NoPE, or RoPE when
+    `position_embedding_type` is "rope"), each followed by a shared SwiGLU MLP plus, when the config has
+    experts, a softmax-over-top-k MoE; muP multipliers on the embeddings, the residual branches, the
+    attention scores (in place of 1/sqrt(d)) and the logits. Field names of the Mamba2 part are those
+    layers/mamba2.py reads (shared with Nemotron-H)."""
+
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    use_conv_bias: bool
+    use_bias: bool
+    time_step_min: float
+    time_step_max: float
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    rope_parameters: tuple             # () for NoPE
+    shared_intermediate_size: int
+    num_experts: int                   # 0: a dense model (shared MLP only)
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    embedding_multiplier: float
+    residual_multiplier: float
+    attention_multiplier: float
+    logits_scaling: float
+
+
+def _parse_granitemoehybrid(hf):
+    if hf.hidden_act != "silu":
+        raise UnsupportedArchitectureError(f"granitemoehybrid with hidden_act={hf.hidden_act!r} (only silu)")
+    pe = getattr(hf, "position_embedding_type", None)
+    if pe not in (None, "nope", "rope"):
+        raise UnsupportedArchitectureError(f"granitemoehybrid with position_embedding_type={pe!r}")
+    lo, hi = tuple(hf.time_step_limit) if hf.time_step_limit is not None else (0.0, math.inf)
+    params = GraniteHybridParams(
+        mamba_num_heads=hf.mamba_n_heads, mamba_head_dim=hf.mamba_d_head, ssm_state_size=hf.mamba_d_state,
+        n_groups=hf.mamba_n_groups, conv_kernel=hf.mamba_d_conv, use_conv_bias=bool(hf.mamba_conv_bias),
+        use_bias=bool(hf.mamba_proj_bias), time_step_min=float(lo), time_step_max=float(hi),
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        attention_bias=bool(hf.attention_bias), rope_parameters=_rope(hf) if pe == "rope" else (), shared_intermediate_size=hf.shared_intermediate_size,
+        num_experts=int(hf.num_local_experts or 0), num_experts_per_tok=int(hf.num_experts_per_tok or 0),
+        moe_intermediate_size=hf.intermediate_size, embedding_multiplier=float(hf.embedding_multiplier),
+        residual_multiplier=float(hf.residual_multiplier), attention_multiplier=float(hf.attention_multiplier),
+        logits_scaling=float(hf.logits_scaling))
+    # transformers 5.x remaps the legacy names ("mamba", "attention"); older configs may still carry them
+    return _layer_types(hf, {"mamba": LINEAR, "attention": FULL}), params
+
+
+@dataclass(frozen=True)
+class OlmoHybridParams:
+    """OLMo-Hybrid (`olmo_hybrid`): Gated DeltaNet layers (separate q / k / v / a / b / g projections, beta
+    scaled to [0, 2] when `linear_allow_neg_eigval`) with pre-norms, and OLMo 3 attention layers (q / k RMSNorm
+    over all heads at once, RoPE or NoPE, norms after the attention and after the MLP). The GDN field names are
+    those layers/gdn.py reads (shared with Qwen3.5)."""
+
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    allow_neg_eigval: bool
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    rope_parameters: tuple             # () for NoPE (no rope_theta), as transformers decides
+    intermediate_size: int
+
+
+def _parse_olmo_hybrid(hf):
+    if hf.hidden_act != "silu":
+        raise UnsupportedArchitectureError(f"olmo_hybrid with hidden_act={hf.hidden_act!r} (only silu)")
+    rope = getattr(hf, "rope_parameters", None)
+    params = OlmoHybridParams(
+        linear_num_key_heads=hf.linear_num_key_heads, linear_num_value_heads=hf.linear_num_value_heads,
+        linear_key_head_dim=hf.linear_key_head_dim, linear_value_head_dim=hf.linear_value_head_dim,
+        linear_conv_kernel_dim=hf.linear_conv_kernel_dim, allow_neg_eigval=bool(hf.linear_allow_neg_eigval),
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        attention_bias=bool(hf.attention_bias),
+        rope_parameters=_rope(hf) if rope is not None and rope.get("rope_theta") is not None else (),
+        intermediate_size=hf.intermediate_size)
+    return _layer_types(hf, {}), params
+
+
+@dataclass(frozen=True)
 class TransformerParams:
     """Plain decoder-only transformers (Llama, Qwen2): every layer is full attention with RoPE,
     SwiGLU MLP, plain RMSNorm. A hybrid with no linear layers: PIC reduces to per-segment
@@ -516,6 +607,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "jamba": ArchSpec("jamba", "jamba", _parse_jamba),
     "bailing_moe_linear": ArchSpec("bailing_moe_linear", None, _parse_bailing_linear),
     "lfm2": ArchSpec("lfm2", "lfm2", _parse_lfm2),
+    "granitemoehybrid": ArchSpec("granitemoehybrid", "granitemoehybrid", _parse_granitemoehybrid),
+    "olmo_hybrid": ArchSpec("olmo_hybrid", "olmo_hybrid", _parse_olmo_hybrid),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),
@@ -524,11 +617,9 @@ _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
     "falcon_h1": "Mamba2 + attention in parallel in every layer with muP multipliers; not implemented yet",
-    "granitemoehybrid": "Mamba2 hybrid with muP multipliers; not implemented yet",
     "zamba2": "Mamba2 with shared attention blocks and LoRA adapters; not implemented yet",
     "zamba": "Mamba1 with a shared attention block; not implemented yet",
     "bailing_hybrid": "Ling 3.0 (KDA + MLA with RoPE); not implemented yet (its MLA keys need RoPE placement)",
-    "olmo_hybrid": "Gated DeltaNet + attention; not implemented yet",
     "recurrent_gemma": "RG-LRU + local (sliding-window) attention: a windowed KV is not position independent",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",

@@ -36,6 +36,8 @@ ARCHS = {
     "jamba": ("tiny-jamba", "JambaForCausalLM"),
     "bailing_moe_linear": ("tiny-ring-linear", None),          # None: tests/ring_reference.py
     "lfm2": ("tiny-lfm2", "Lfm2ForCausalLM"),
+    "granitemoehybrid": ("tiny-granite-4.0-h", "GraniteMoeHybridForCausalLM"),
+    "olmo_hybrid": ("tiny-olmo-hybrid", "OlmoHybridForCausalLM"),
     "llama": ("tiny-llama", "LlamaForCausalLM"),
     "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }

@@ -437,14 +437,16 @@ def test_fused_norms_and_gate_match_reference():
 
 
 @cuda
-def test_engine_bf16_cuda_matches_cpu_reference():
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-granite-4.0-h", "tiny-olmo-hybrid"])
+def test_engine_bf16_cuda_matches_cpu_reference(preset):
     """The same weights in fp32 on the CPU (reference ops) and bf16 on CUDA (fast ops); the bound is
-    twice the CPU reference's own error in bf16 on this model (gpu_check.py explains why)."""
+    twice the CPU reference's own error in bf16 on this model (gpu_check.py explains why). Granite 4.0-H and
+    OLMo-Hybrid: their Mamba2 and GDN layers (beta in [0, 2]) through fla's kernels."""
     from hypic import LLM, Prompt
 
-    cpu = LLM("tiny-qwen3.5", device="cpu", dtype="float32", backend="reference")
-    cpu16 = LLM("tiny-qwen3.5", device="cpu", dtype="bfloat16", backend="reference")
-    gpu = LLM("tiny-qwen3.5", device="cuda", dtype="bfloat16")
+    cpu = LLM(preset, device="cpu", dtype="float32", backend="reference")
+    cpu16 = LLM(preset, device="cpu", dtype="bfloat16", backend="reference")
+    gpu = LLM(preset, device="cuda", dtype="bfloat16")
     with torch.no_grad():
         for other in (cpu16, gpu):
             for (_, a), (_, b) in zip(other.engine.model.named_parameters(), cpu.engine.model.named_parameters()):

@@ -3,7 +3,8 @@
 in_proj(x) = [gate z (I) | xBC (conv) | dt (H)], I = H * P. A short causal conv (with bias, silu)
 runs over x, B and C together; then per head
     h_t = exp(dt_t A) h_{t-1} + B_t (dt_t x_t)^T        y_t = h_t^T C_t + D x_t
-with dt = clamp(softplus(dt + dt_bias), min=time_step_min) and A = -exp(A_log). In fla's layout this
+with dt = clamp(softplus(dt + dt_bias), time_step_min, time_step_max) and A = -exp(A_log) (Nemotron-H has no
+upper limit; Granite 4.0-H's `time_step_limit` gives both). In fla's layout this
 is scalar-decay linear attention with q = C, k = B (n_groups key heads), v = dt * x, g = dt * A:
 the state is [H, K = N (d_state), V = P (head_dim)]. The transition acts on the d_state axis, and
 being a scalar per head it acts on both (transformers stores the state as [H, P, N], the transpose).
@@ -11,6 +12,8 @@ Output: out_proj(grouped RMSNorm(y * silu(z))).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +50,7 @@ class Mamba2Mixer(LinearMixer):
         self.inner = self.h * self.p_dim
         self.conv_width = p.conv_kernel
         self.dt_min = p.time_step_min
+        self.dt_max = getattr(p, "time_step_max", math.inf)
         hs = cfg.hidden_size
         self.in_proj = nn.Linear(hs, self.inner + self.conv_dim + self.h, bias=p.use_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim,
@@ -67,7 +71,8 @@ class Mamba2Mixer(LinearMixer):
 
     def features(self, x, batch):
         z, raw, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.h], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)        # [N, H] fp32
+        dt = F.softplus(dt.float() + self.dt_bias.float())                                # [N, H] fp32
+        dt = dt.clamp(min=self.dt_min) if self.dt_max == math.inf else dt.clamp(self.dt_min, self.dt_max)
         return {"raw": raw, "z": z, "dt": dt, "g": dt * -self.A_log.float().exp()}
 
     def kernel(self, f, conv_out, idx, init, cu, summarize):

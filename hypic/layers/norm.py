@@ -87,6 +87,14 @@ class ScaledRMSNorm(nn.Module):
         return self.weight * _normed(x, self.eps).to(x.dtype)
 
 
+class FP32ScaledRMSNorm(ScaledRMSNorm):
+    """w * (x / rms(x)) with the weight multiply in fp32 and the product cast (Nemotron-H, OLMo 2/3)."""
+
+    def forward(self, x):
+        xf = x.float()
+        return (self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
 class SigmoidGatedRMSNorm(nn.Module):
     """w * x / rms(x) * sigmoid(gate), fp32 inside (KDA's output norm): the fused form's arithmetic."""
 

@@ -155,6 +155,37 @@ def lfm2(tensors: dict, cfg: ModelConfig) -> dict:
     return _common(tensors, cfg)
 
 
+def granitemoehybrid(tensors: dict, cfg: ModelConfig) -> dict:
+    """The released checkpoints' expert names (as transformers' own conversion maps them):
+    block_sparse_moe.{input_linear -> experts.gate_up_proj [E, 2I, H], output_linear -> experts.down_proj,
+    router.layer -> router}."""
+    moe = r"\.block_sparse_moe\."
+    return _common(_rename(tensors, [(moe + r"input_linear\.weight$", ".block_sparse_moe.experts.gate_up_proj"),
+                                     (moe + r"output_linear\.weight$", ".block_sparse_moe.experts.down_proj"),
+                                     (moe + r"router\.layer\.", ".block_sparse_moe.router.")]), cfg)
+
+
+def olmo_hybrid(tensors: dict, cfg: ModelConfig) -> dict:
+    """The released layout (as transformers also saves it): a GDN layer's pre-norms are attention_layer_norm and
+    feedforward_layer_norm, its short conv three tensors q_conv1d / k_conv1d / v_conv1d, joined here in that
+    order along the channels (transformers 5.24 saves them in three near-equal chunks, not split at the q / k / v
+    widths; joining gives the same weight either way)."""
+    t = _rename(tensors, [(r"\.attention_layer_norm\.", ".input_layernorm."),
+                          (r"\.feedforward_layer_norm\.", ".post_attention_layernorm.")])
+    out = {}
+    for name, x in t.items():
+        if name.endswith("linear_attn.q_conv1d.weight"):
+            parts = [t.get(name.replace("q_conv1d", c)) for c in ("q_conv1d", "k_conv1d", "v_conv1d")]
+            if any(x is None for x in parts):
+                from ..errors import WeightsError
+
+                raise WeightsError(f"{name}: the k_conv1d / v_conv1d tensors beside it are missing")
+            out[name.replace("q_conv1d", "conv1d")] = torch.cat(parts, dim=0)
+        elif not name.endswith(("linear_attn.k_conv1d.weight", "linear_attn.v_conv1d.weight")):
+            out[name] = x
+    return _common(out, cfg)
+
+
 def transformer(tensors: dict, cfg: ModelConfig) -> dict:
     """Llama / Qwen2: transformers' names as they are; old checkpoints' `rotary_emb.inv_freq`
     buffers are dropped (hypic derives the frequencies from the config)."""

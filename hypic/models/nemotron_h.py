@@ -11,7 +11,7 @@ from torch import nn
 from ..config import FULL, LINEAR, ModelConfig
 from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer
-from ..layers.norm import ScaledRMSNorm
+from ..layers.norm import FP32ScaledRMSNorm
 from ..runtime.batch import ForwardBatch
 from .base import CausalLM, uniform
 
@@ -24,14 +24,6 @@ class Relu2MLP(nn.Module):
 
     def forward(self, x, batch=None):
         return self.down_proj(F.relu(self.up_proj(x)).square())
-
-
-class FP32ScaledRMSNorm(ScaledRMSNorm):
-    """Nemotron-H keeps the weight multiply in fp32 and casts the product."""
-
-    def forward(self, x):
-        xf = x.float()
-        return (self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
 class Block(nn.Module):

@@ -86,6 +86,29 @@ PRESETS: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=65536,
         tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # Granite 4.0-H: Mamba2 (one group, as released) and NoPE attention (layers 2 and 5; the legacy type names the
+    # released configs carry), a shared MLP plus a 4-expert top-2 MoE after every mixer, muP multipliers away from 1.
+    "tiny-granite-4.0-h": dict(
+        model_type="granitemoehybrid", vocab_size=320, hidden_size=64, num_hidden_layers=6,
+        layer_types=["mamba", "mamba", "attention", "mamba", "mamba", "attention"],
+        mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=16, mamba_conv_bias=True, mamba_proj_bias=False, num_attention_heads=4,
+        num_key_value_heads=2, attention_bias=False, position_embedding_type="nope", intermediate_size=32,
+        shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=3.0, hidden_act="silu",
+        max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=256,
+        bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
+    # OLMo-Hybrid: GDN with 2 key / 4 value heads (beta in [0, 2]), OLMo 3 attention (RoPE) at layers 2 and 5.
+    "tiny-olmo-hybrid": dict(
+        model_type="olmo_hybrid", vocab_size=320, hidden_size=64, num_hidden_layers=6,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2, num_attention_heads=4,
+        num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, intermediate_size=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attention_bias=False, hidden_act="silu",
+        max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=256,
+        bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # Plain transformers (no linear layer): SmolLM2's layout (tied, no biases) and Qwen2's (q/k/v biases).
     "tiny-llama": dict(
         model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -17,6 +17,9 @@ _MODELS = {
     "bailing_moe_linear": ("hypic.models.bailing_moe_linear", "BailingMoeLinearForCausalLM", "hypic.models.convert",
                            "bailing_moe_linear"),
     "lfm2": ("hypic.models.lfm2", "Lfm2ForCausalLM", "hypic.models.convert", "lfm2"),
+    "granitemoehybrid": ("hypic.models.granitemoehybrid", "GraniteMoeHybridForCausalLM", "hypic.models.convert",
+                         "granitemoehybrid"),
+    "olmo_hybrid": ("hypic.models.olmo_hybrid", "OlmoHybridForCausalLM", "hypic.models.convert", "olmo_hybrid"),
     "llama": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
     "qwen2": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
 }

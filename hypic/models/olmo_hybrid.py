@@ -1,0 +1,135 @@
+"""OLMo-Hybrid (`olmo_hybrid`, AllenAI): Gated DeltaNet layers and OLMo 3 attention layers with a SwiGLU MLP
+after each. The two kinds of layer differ in where their norms sit:
+
+    linear     h += gdn(input_layernorm(h));       h += mlp(post_attention_layernorm(h))      (pre-norm)
+    attention  h += post_attention_layernorm(attn(h)); h += post_feedforward_layernorm(mlp(h))  (post-norm)
+
+The attention's q / k RMSNorms span all heads at once (before the heads are split); RoPE when the config has a
+rope_theta, else NoPE. The GDN layer is Qwen3.5's recurrence with separate q / k / v / a / b / g projections,
+no conv bias, a gated output norm with eps 1e-5, and beta scaled to [0, 2] (`linear_allow_neg_eigval`: the
+transition I - beta k k^T may then have a negative eigenvalue; T composes the same way). Parameter names are
+transformers'."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import LINEAR, ModelConfig
+from ..layers.attention import RopeAttention
+from ..layers.gdn import GatedDeltaNet
+from ..layers.joined import JoinedWeights
+from ..layers.mlp import MLP
+from ..layers.norm import FP32ScaledRMSNorm, RMSNormGated
+from ..layers.rope import Rotary
+from ..runtime.batch import ForwardBatch
+from .base import CausalLM, uniform
+
+O_NORM_EPS = 1e-5                       # transformers' OlmoHybridGatedDeltaNet fixes it (not rms_norm_eps)
+
+
+class OlmoGatedDeltaNet(GatedDeltaNet):
+    def projections(self, cfg: ModelConfig, ops) -> None:
+        hs = cfg.hidden_size
+        self.q_proj = nn.Linear(hs, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hs, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hs, self.value_dim, bias=False)
+        self.a_proj = nn.Linear(hs, self.hv, bias=False)
+        self.b_proj = nn.Linear(hs, self.hv, bias=False)
+        self.g_proj = nn.Linear(hs, self.value_dim, bias=False)
+        self.o_proj = nn.Linear(self.value_dim, hs, bias=False)
+        self.o_norm = RMSNormGated(self.dv, O_NORM_EPS, ops)
+        self.beta_scale = 2.0 if cfg.params.allow_neg_eigval else 1.0
+        self._qkv, self._ab = JoinedWeights(), JoinedWeights()
+
+    def features(self, x, batch):
+        # q | k | v (the conv's input, in the order of the conv's channels) by one GEMM, b and a by another
+        raw = F.linear(x, self._qkv.weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        if raw.shape[-1] != self.conv_dim:                 # the joined matrix's zero padding rows
+            raw = raw[..., : self.conv_dim]
+        b, a = self._ab.linear(x, self.b_proj.weight, self.a_proj.weight)
+        g = self.ops.gdn_gate(a, self.A_log, self.dt_bias)
+        beta = torch.sigmoid(b)
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
+        return {"raw": raw, "z": self.g_proj(x), "g": g, "beta": beta}
+
+    def output(self, x, o, f):
+        z = f["z"].reshape(-1, self.dv)
+        return self.o_proj(self.o_norm(o.reshape(-1, self.dv), z).reshape(x.shape[0], self.value_dim))
+
+
+class OlmoAttention(RopeAttention):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
+        super().__init__(layer_idx, ops, rotary)
+        p, hs = cfg.params, cfg.hidden_size
+        self.nh, self.num_kv_heads, self.hd = p.num_attention_heads, p.num_key_value_heads, p.head_dim
+        self.key_dim = self.value_dim = self.hd
+        self.q_proj = nn.Linear(hs, self.nh * self.hd, bias=p.attention_bias)
+        self.k_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=p.attention_bias)
+        self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=p.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=p.attention_bias)
+        self.q_norm = FP32ScaledRMSNorm(self.nh * self.hd, cfg.rms_norm_eps)
+        self.k_norm = FP32ScaledRMSNorm(self.num_kv_heads * self.hd, cfg.rms_norm_eps)
+        self.scale = self.hd ** -0.5
+
+    def project(self, x, batch):
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x)).view(n, self.nh, self.hd)
+        k = self.k_norm(self.k_proj(x)).view(n, self.num_kv_heads, self.hd)
+        return q, k, self.v_proj(x).view(n, self.num_kv_heads, self.hd), None
+
+    def output(self, x, out, extra):
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
+        super().__init__()
+        hs, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.mlp = MLP(hs, cfg.params.intermediate_size)
+        self.post_attention_layernorm = FP32ScaledRMSNorm(hs, eps)
+        self.linear = cfg.layer_types[i] == LINEAR
+        if self.linear:
+            self.linear_attn = OlmoGatedDeltaNet(cfg, i, ops)
+            self.input_layernorm = FP32ScaledRMSNorm(hs, eps)
+        else:
+            self.self_attn = OlmoAttention(cfg, i, ops, rotary)
+            self.post_feedforward_layernorm = FP32ScaledRMSNorm(hs, eps)
+
+    @property
+    def state_mixer(self):
+        return self.linear_attn if self.linear else self.self_attn
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.linear:
+            h = h + self.linear_attn(self.input_layernorm(h), batch)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(self.self_attn(h, batch))
+        return h + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        p = cfg.params
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = Rotary(cfg, p.head_dim, dict(p.rope_parameters)) if p.rope_parameters else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
+        self.norm = FP32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class OlmoHybridForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__(cfg, Backbone(cfg, ops))
+
+    def dummy_init(self, name, p, generator) -> bool:
+        if name.endswith("A_log"):                        # transformers' init: A uniform in [0, 16]
+            p.copy_(uniform(p, 0.01, 16.0, generator).log())
+        elif name.endswith("dt_bias"):                    # inverse softplus of dt in [1e-3, 1e-1]
+            dt = uniform(p, -6.9078, -2.3026, generator).exp()
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
+        else:
+            return False
+        return True

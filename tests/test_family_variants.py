@@ -1,0 +1,177 @@
+"""Config variants of Granite 4.0-H (`granitemoehybrid`) and OLMo-Hybrid (`olmo_hybrid`) beyond the tiny presets
+that every parametrized test runs, and their released checkpoint layouts.
+
+Granite: the preset is NoPE with experts; here RoPE (cached keys placed at new positions), dense (no experts,
+shared MLP only), the released expert names, a time-step limit. OLMo-Hybrid: the preset has RoPE and beta in
+[0, 2]; here NoPE and beta in [0, 1], and the released layout's q / k / v conv tensors at their real widths.
+Oracle: transformers' own classes with the same random weights; bounds as tests/test_oracle.py and
+tests/test_invariants.py (1e-4 on logits, fp32)."""
+
+import pytest
+import torch
+
+from hypic import LLM, Prompt, SamplingParams
+from hypic.segment.tokenizer import Tokenizer
+from .conftest import hf_model, rand_ids
+
+ATOL = 1e-4
+ROPE = dict(position_embedding_type="rope", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _engine(model, path, **kw):
+    model.save_pretrained(path)
+    Tokenizer.builtin_bytes().hf.save_pretrained(path)
+    return LLM(str(path), **kw)
+
+
+def _check_full(model, llm, n=70):
+    """Greedy tokens and their logits equal transformers' forward over the same sequence."""
+    ids = rand_ids(n, 3)
+    llm.set_policy("full")
+    out = llm.generate([Prompt(query=ids)], SamplingParams(max_tokens=4, return_logits=True, ignore_eos=True))[0]
+    with torch.no_grad():
+        forced = model(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1: -1]
+    assert out.token_ids == forced.argmax(-1).tolist()
+    assert (out.logits - forced).abs().max() <= ATOL
+
+
+def _prompt(seed):
+    return Prompt(prefix=rand_ids(10, seed), segments=[rand_ids(n, seed + n) for n in (40, 3, 90)],
+                  query=rand_ids(6, seed + 1))
+
+
+def _pic_checks(llm):
+    """Invariant 2 (a seam covering every segment is full recomputation) and a hit equal to a miss after the
+    segments moved (a cached RoPE key placed anew must equal one computed there)."""
+    p = _prompt(1)
+    llm.set_policy("full")
+    full = llm.next_token_logits(p)
+    llm.set_policy("pic", 90)
+    torch.testing.assert_close(llm.next_token_logits(p), full, atol=ATOL, rtol=0)
+    llm.set_policy("pic", 8)
+    llm.clear_cache()
+    moved = Prompt(prefix=rand_ids(23, 9), segments=list(reversed(p.segments)), query=p.query)
+    cold = llm.next_token_logits(moved)
+    llm.next_token_logits(p)                                  # the entries now also serve another order
+    warm = llm.next_token_logits(moved)
+    torch.testing.assert_close(warm, cold, atol=ATOL, rtol=0)
+    assert (warm - full).abs().max() > 0                      # pic at seam 8 is not full recomputation
+
+
+def _grouped_norm() -> bool:
+    """transformers >= 5.24 normalises the Mamba2 output per group (mamba_ssm's gated norm with n_groups > 1);
+    5.17 over the whole width. The two agree at one group, as the released Granite 4.0-H models have."""
+    import inspect
+
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as m
+
+    return "group_size" in inspect.signature(m.GraniteMoeHybridRMSNormGated.__init__).parameters
+
+
+@pytest.mark.parametrize("variant", ["rope", "dense", "rope-dense", "groups2"])
+def test_granite_variants_match_transformers(tmp_path, variant):
+    over = dict(ROPE) if "rope" in variant else {}
+    if "dense" in variant:
+        over["num_local_experts"] = 0
+    if variant == "groups2":
+        if not _grouped_norm():
+            pytest.skip("this transformers normalises the Mamba2 output over all groups at once (5.17)")
+        over["mamba_n_groups"] = 2
+    model = hf_model("granitemoehybrid", seed=4, **over)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    assert (llm.engine.model.model.rotary is not None) == ("rope" in variant)
+    assert all((layer.block_sparse_moe is None) == ("dense" in variant) for layer in llm.engine.model.model.layers)
+    _check_full(model, llm)
+    _pic_checks(llm)
+
+
+def test_granite_released_expert_names(tmp_path):
+    """Granite 4.0-H checkpoints as released name the experts block_sparse_moe.{input_linear, output_linear,
+    router.layer}: the same weights under those names give the same engine."""
+    from safetensors.torch import load_file, save_file
+
+    model = hf_model("granitemoehybrid", seed=5)
+    llm = _engine(model, tmp_path / "a")
+    sd = load_file(str(tmp_path / "a" / "model.safetensors"))
+    old = {}
+    for k, v in sd.items():
+        k = k.replace("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight")
+        k = k.replace("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight")
+        old[k.replace("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight")] = v
+    assert any("input_linear" in k for k in old) and any("router.layer" in k for k in old)
+    (tmp_path / "b").mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "b" / f).write_bytes((tmp_path / "a" / f).read_bytes())
+    save_file(old, str(tmp_path / "b" / "model.safetensors"))
+    llm_old = LLM(str(tmp_path / "b"))
+    ids = rand_ids(50, 8)
+    llm.set_policy("full")
+    llm_old.set_policy("full")
+    assert torch.equal(llm.next_token_logits(Prompt(query=ids)), llm_old.next_token_logits(Prompt(query=ids)))
+
+
+def test_granite_time_step_limit_clamps_dt(tmp_path):
+    """A finite time_step_limit clamps dt on both sides, as transformers' chunked scan does (the default
+    (0, inf) clamps nothing)."""
+    model = hf_model("granitemoehybrid", seed=6, time_step_limit=(0.05, 0.2))
+    llm = _engine(model, tmp_path)
+    mixer = llm.engine.model.model.layers[0].mamba
+    assert (mixer.dt_min, mixer.dt_max) == (0.05, 0.2)
+    ids = rand_ids(60, 2)
+    llm.set_policy("full")
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1]
+    assert (llm.next_token_logits(Prompt(query=ids)) - ref).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("variant", ["nope", "beta01", "nope-beta01"])
+def test_olmo_variants_match_transformers(tmp_path, variant):
+    over = {}
+    if "nope" in variant:
+        over["rope_parameters"] = {"rope_type": "default", "rope_theta": None}     # how a config says NoPE
+    if "beta01" in variant:
+        over["linear_allow_neg_eigval"] = False
+    model = hf_model("olmo_hybrid", seed=4, **over)
+    assert (model.model.rotary_emb is None) == ("nope" in variant)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    assert (llm.engine.model.model.rotary is None) == ("nope" in variant)
+    gdn = llm.engine.model.model.layers[0].linear_attn
+    assert gdn.beta_scale == (1.0 if "beta01" in variant else 2.0)
+    _check_full(model, llm)
+    _pic_checks(llm)
+
+
+def test_olmo_released_layout(tmp_path):
+    """The released layout: attention_layer_norm / feedforward_layer_norm on the GDN layers, and the short conv as
+    q_conv1d [key_dim], k_conv1d [key_dim], v_conv1d [value_dim] (transformers saves near-equal chunks instead:
+    joining gives the same weight, and a missing part is a clear error)."""
+    from safetensors.torch import load_file, save_file
+
+    from hypic.errors import WeightsError
+
+    model = hf_model("olmo_hybrid", seed=7)
+    llm = _engine(model, tmp_path / "a")
+    sd = load_file(str(tmp_path / "a" / "model.safetensors"))
+    kd, vd = 2 * 16, 4 * 16                                   # the preset's key and value widths
+    real = {}
+    for k, v in sd.items():
+        if k.endswith("linear_attn.q_conv1d.weight"):
+            full = torch.cat([v] + [sd[k.replace("q_conv1d", c)] for c in ("k_conv1d", "v_conv1d")], dim=0)
+            for c, part in zip(("q_conv1d", "k_conv1d", "v_conv1d"), full.split([kd, kd, vd], dim=0)):
+                real[k.replace("q_conv1d", c)] = part.clone()
+        elif not k.endswith(("linear_attn.k_conv1d.weight", "linear_attn.v_conv1d.weight")):
+            real[k] = v
+    assert any(k.endswith("attention_layer_norm.weight") for k in real)
+    assert real["model.layers.0.linear_attn.v_conv1d.weight"].shape[0] == vd
+    (tmp_path / "b").mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "b" / f).write_bytes((tmp_path / "a" / f).read_bytes())
+    save_file(real, str(tmp_path / "b" / "model.safetensors"))
+    ids = rand_ids(50, 8)
+    llm.set_policy("full")
+    llm_real = LLM(str(tmp_path / "b"), cache_mode="full")
+    assert torch.equal(llm.next_token_logits(Prompt(query=ids)), llm_real.next_token_logits(Prompt(query=ids)))
+    del real["model.layers.0.linear_attn.k_conv1d.weight"]
+    save_file(real, str(tmp_path / "b" / "model.safetensors"))
+    with pytest.raises(WeightsError, match="k_conv1d"):
+        LLM(str(tmp_path / "b"))
