@@ -20,6 +20,7 @@ from .errors import ConfigError, UnsupportedArchitectureError
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MLP_ONLY = "mlp"              # a block without a token mixer (Nemotron-H's MLP / MoE blocks)
+PARALLEL = "hybrid"           # a linear mixer and attention side by side in one layer (Falcon-H1)
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class ModelConfig:
     hf_model_type: str                         # transformers model_type of the text model
     vocab_size: int
     hidden_size: int
-    layer_types: tuple[str, ...]               # LINEAR, FULL or MLP_ONLY per layer
+    layer_types: tuple[str, ...]               # LINEAR, FULL, PARALLEL or MLP_ONLY per layer
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -49,11 +50,11 @@ class ModelConfig:
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (LINEAR, PARALLEL))
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (FULL, PARALLEL))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The text-model config dict as transformers reads it (used for RoPE variants and export)."""
@@ -84,14 +85,19 @@ class ModelConfig:
         if spec.hf_type is None:          # not in transformers (remote code): the dict as written
             hf = _RemoteConfig(kwargs)
         else:
+            import transformers
             from transformers import AutoConfig  # defaults and rope normalisation come from transformers itself
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+            if spec.hf_type not in CONFIG_MAPPING:
+                raise UnsupportedArchitectureError(
+                    f"{model_type} needs a transformers that ships it (this is {transformers.__version__})")
             try:
                 hf = AutoConfig.for_model(spec.hf_type, **kwargs)
             except Exception as e:  # transformers validates values (types, ranges)
                 raise ConfigError(f"invalid {model_type} config: {e}") from e
         layer_types, params = spec.parse(hf)
-        bad = sorted({t for t in layer_types if t not in (LINEAR, FULL, MLP_ONLY)})
+        bad = sorted({t for t in layer_types if t not in (LINEAR, FULL, PARALLEL, MLP_ONLY)})
         if bad:
             raise UnsupportedArchitectureError(f"unsupported layer type(s) {bad} in {model_type} config")
         g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
@@ -239,6 +245,28 @@ def _parse_kimi(hf):
     if hf.num_key_value_heads != hf.num_attention_heads:
         raise UnsupportedArchitectureError("kimi_linear MLA with num_key_value_heads != num_attention_heads")
     return _layer_types(hf, {}), params
+
+
+@dataclass(frozen=True)
+class BailingHybridParams(KimiLinearParams):
+    """Ling 3.0 (`bailing_hybrid`): Kimi-Linear's layout (KDA + MLA, DeepSeek MoE) with a full-rank KDA forget gate
+    (bounded to [kda_lower_bound, 0] when `kda_safe_gate`) and output gate, and MLA layers with interleaved RoPE on
+    the shared rope dims of q and k and a per-head sigmoid output gate."""
+
+    kda_safe_gate: bool = True
+    kda_lower_bound: float = -5.0
+    rope_parameters: tuple = ()
+
+
+def _parse_bailing_hybrid(hf):
+    types, kimi = _parse_kimi(hf)
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        # yarn also rescales the softmax (DeepSeek's mscale); not implemented
+        raise UnsupportedArchitectureError(f"bailing_hybrid with rope_type={rope.get('rope_type')!r} (only default)")
+    params = BailingHybridParams(**dataclasses.asdict(kimi), kda_safe_gate=bool(hf.kda_safe_gate),
+                                 kda_lower_bound=float(hf.kda_lower_bound), rope_parameters=_rope(hf))
+    return types, params
 
 
 @dataclass(frozen=True)
@@ -549,6 +577,66 @@ def _parse_olmo_hybrid(hf):
 
 
 @dataclass(frozen=True)
+class FalconH1Params:
+    """Falcon-H1 (`falcon_h1`): every layer runs a Mamba2 mixer and RoPE attention side by side on the same normed
+    input and adds both (PARALLEL layers), then a SwiGLU MLP; muP multipliers on the embeddings, the Mamba2 input and
+    each part of its projection, the attention's input, keys and output, the MLP's gate and output, and the logits.
+    The Mamba2 field names are those layers/mamba2.py reads."""
+
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    use_conv_bias: bool
+    use_bias: bool                     # in_proj (mamba_proj_bias)
+    time_step_min: float
+    time_step_max: float
+    projectors_bias: bool              # the Mamba2 out_proj
+    mamba_rms_norm: bool               # a grouped gated RMSNorm before out_proj (else y * silu(z))
+    mamba_norm_before_gate: bool
+    ssm_in_multiplier: float
+    ssm_multipliers: tuple             # z, x, B, C, dt parts of in_proj's output
+    ssm_out_multiplier: float
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    rope_parameters: tuple
+    key_multiplier: float
+    attention_in_multiplier: float
+    attention_out_multiplier: float
+    intermediate_size: int
+    mlp_bias: bool
+    mlp_multipliers: tuple             # gate (inside the activation), down
+    embedding_multiplier: float
+    lm_head_multiplier: float
+
+
+def _parse_falcon_h1(hf):
+    if hf.hidden_act != "silu":
+        raise UnsupportedArchitectureError(f"falcon_h1 with hidden_act={hf.hidden_act!r} (only silu)")
+    lo, hi = tuple(hf.time_step_limit) if hf.time_step_limit is not None else (0.0, math.inf)
+    params = FalconH1Params(
+        mamba_num_heads=hf.mamba_n_heads, mamba_head_dim=hf.mamba_d_head, ssm_state_size=hf.mamba_d_state,
+        n_groups=hf.mamba_n_groups, conv_kernel=hf.mamba_d_conv, use_conv_bias=bool(hf.mamba_conv_bias),
+        use_bias=bool(hf.mamba_proj_bias), time_step_min=float(lo), time_step_max=float(hi),
+        projectors_bias=bool(hf.projectors_bias), mamba_rms_norm=bool(hf.mamba_rms_norm),
+        mamba_norm_before_gate=bool(hf.mamba_norm_before_gate), ssm_in_multiplier=float(hf.ssm_in_multiplier),
+        ssm_multipliers=tuple(float(m) for m in hf.ssm_multipliers), ssm_out_multiplier=float(hf.ssm_out_multiplier),
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        attention_bias=bool(hf.attention_bias), rope_parameters=_rope(hf), key_multiplier=float(hf.key_multiplier),
+        attention_in_multiplier=float(hf.attention_in_multiplier),
+        attention_out_multiplier=float(hf.attention_out_multiplier), intermediate_size=hf.intermediate_size,
+        mlp_bias=bool(hf.mlp_bias), mlp_multipliers=tuple(float(m) for m in hf.mlp_multipliers),
+        embedding_multiplier=float(hf.embedding_multiplier), lm_head_multiplier=float(hf.lm_head_multiplier))
+    if len(params.ssm_multipliers) != 5 or len(params.mlp_multipliers) != 2:
+        raise ConfigError("falcon_h1: ssm_multipliers needs 5 values (z, x, B, C, dt), mlp_multipliers 2")
+    return (PARALLEL,) * hf.num_hidden_layers, params
+
+
+@dataclass(frozen=True)
 class TransformerParams:
     """Plain decoder-only transformers (Llama, Qwen2): every layer is full attention with RoPE,
     SwiGLU MLP, plain RMSNorm. A hybrid with no linear layers: PIC reduces to per-segment
@@ -609,6 +697,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "lfm2": ArchSpec("lfm2", "lfm2", _parse_lfm2),
     "granitemoehybrid": ArchSpec("granitemoehybrid", "granitemoehybrid", _parse_granitemoehybrid),
     "olmo_hybrid": ArchSpec("olmo_hybrid", "olmo_hybrid", _parse_olmo_hybrid),
+    "falcon_h1": ArchSpec("falcon_h1", "falcon_h1", _parse_falcon_h1),
+    "bailing_hybrid": ArchSpec("bailing_hybrid", "bailing_hybrid", _parse_bailing_hybrid),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),
@@ -616,10 +706,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
-    "falcon_h1": "Mamba2 + attention in parallel in every layer with muP multipliers; not implemented yet",
     "zamba2": "Mamba2 with shared attention blocks and LoRA adapters; not implemented yet",
     "zamba": "Mamba1 with a shared attention block; not implemented yet",
-    "bailing_hybrid": "Ling 3.0 (KDA + MLA with RoPE); not implemented yet (its MLA keys need RoPE placement)",
     "recurrent_gemma": "RG-LRU + local (sliding-window) attention: a windowed KV is not position independent",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",

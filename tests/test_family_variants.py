@@ -1,9 +1,13 @@
-"""Config variants of Granite 4.0-H (`granitemoehybrid`) and OLMo-Hybrid (`olmo_hybrid`) beyond the tiny presets
-that every parametrized test runs, and their released checkpoint layouts.
+"""Config variants of Granite 4.0-H (`granitemoehybrid`), OLMo-Hybrid (`olmo_hybrid`), Falcon-H1 (`falcon_h1`) and
+Ling 3.0 (`bailing_hybrid`) beyond the tiny presets that every parametrized test runs, and their released layouts.
 
 Granite: the preset is NoPE with experts; here RoPE (cached keys placed at new positions), dense (no experts,
 shared MLP only), the released expert names, a time-step limit. OLMo-Hybrid: the preset has RoPE and beta in
 [0, 2]; here NoPE and beta in [0, 1], and the released layout's q / k / v conv tensors at their real widths.
+Falcon-H1: the preset has a gated norm before the gate; here after it, none (y * silu(z)), and the Mamba2 width from
+mamba_expand; and a segment entry holds both of a layer's mixers. Ling 3.0 (transformers >= 5.24): the preset has
+the bounded KDA gate and full-rank queries; here the unbounded gate and low-rank queries, and the released layout
+(attention / dense names, split convs, per-expert tensors, expert_bias, MTP layers dropped).
 Oracle: transformers' own classes with the same random weights; bounds as tests/test_oracle.py and
 tests/test_invariants.py (1e-4 on logits, fp32)."""
 
@@ -175,3 +179,92 @@ def test_olmo_released_layout(tmp_path):
     save_file(real, str(tmp_path / "b" / "model.safetensors"))
     with pytest.raises(WeightsError, match="k_conv1d"):
         LLM(str(tmp_path / "b"))
+
+
+@pytest.mark.parametrize("variant", ["norm-after-gate", "no-norm", "expand"])
+def test_falcon_variants_match_transformers(tmp_path, variant):
+    over = {"norm-after-gate": dict(mamba_norm_before_gate=False), "no-norm": dict(mamba_rms_norm=False),
+            "expand": dict(mamba_d_ssm=None, mamba_expand=1)}[variant]
+    model = hf_model("falcon_h1", seed=4, **over)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    mamba = llm.engine.model.model.layers[0].mamba
+    assert (mamba.norm is None) == (variant == "no-norm")
+    _check_full(model, llm)
+    _pic_checks(llm)
+
+
+def test_falcon_entry_holds_both_mixers_of_a_layer(tmp_path):
+    """Each Falcon-H1 layer has a Mamba2 mixer (id i) and attention (id num_layers + i) side by side: a cached
+    segment carries T, S and the conv tail for the first and position-free K / V for the second."""
+    from hypic.cache.entry import AttnKV, LinearSummary
+
+    model = hf_model("falcon_h1", seed=2)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    n = len(llm.engine.model.model.layers)
+    assert sorted(llm.engine.model.mixers) == list(range(2 * n))
+    seg = rand_ids(60, 4)
+    llm.next_token_logits(Prompt(prefix=rand_ids(5, 1), segments=[seg], query=rand_ids(4, 2)))
+    (entry,) = list(llm.engine.segments.values())
+    assert sorted(entry.layers) == list(range(2 * n))
+    for i in range(n):
+        assert isinstance(entry.layers[i], LinearSummary) and isinstance(entry.layers[n + i], AttnKV)
+        assert entry.layers[n + i].k.shape[0] == 60 - 8          # the keys after the seam window
+
+
+def _ling():
+    import transformers
+
+    if not hasattr(transformers, "BailingHybridForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} does not ship bailing_hybrid")
+
+
+@pytest.mark.parametrize("variant", ["unbounded-gate", "q-lora"])
+def test_ling_variants_match_transformers(tmp_path, variant):
+    _ling()
+    over = {"unbounded-gate": dict(kda_safe_gate=False), "q-lora": dict(q_lora_rank=24)}[variant]
+    model = hf_model("bailing_hybrid", seed=4, **over)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    assert llm.engine.model.model.layers[0].self_attn.forget_gate.safe == (variant != "unbounded-gate")
+    _check_full(model, llm)
+    _pic_checks(llm)
+
+
+def test_ling_released_layout(tmp_path):
+    """The same weights under the released names load to the same engine; an MTP layer after the last decoder
+    layer is dropped."""
+    from safetensors.torch import load_file, save_file
+
+    _ling()
+    model = hf_model("bailing_hybrid", seed=7)
+    llm = _engine(model, tmp_path / "a")
+    sd = load_file(str(tmp_path / "a" / "model.safetensors"))
+    n = model.config.num_hidden_layers
+    rel = {}
+    for k, v in sd.items():
+        k = k.replace("model.embed_tokens.", "model.word_embeddings.").replace(".self_attn.", ".attention.")
+        k = k.replace(".attention.o_proj.", ".attention.dense.").replace(".attention.forget_gate.", ".attention.")
+        k = k.replace(".mlp.gate.e_score_correction_bias", ".mlp.gate.expert_bias")
+        if k.endswith("attention.conv1d.weight"):
+            q, kk, vv = v.split(v.shape[0] // 3, dim=0)
+            for c, part in zip(("q_conv1d", "k_conv1d", "v_conv1d"), (q, kk, vv)):
+                rel[k.replace("conv1d", c)] = part.clone()
+        elif k.endswith("mlp.experts.gate_up_proj"):
+            gate, up = v.chunk(2, dim=1)
+            for e in range(v.shape[0]):
+                rel[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate[e].clone()
+                rel[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = up[e].clone()
+        elif k.endswith("mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                rel[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e].clone()
+        else:
+            rel[k] = v
+    rel[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(4, 4)               # an MTP layer's tensor
+    assert any(".attention.dense." in k for k in rel) and any(".attention.f_proj." in k for k in rel)
+    (tmp_path / "b").mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "b" / f).write_bytes((tmp_path / "a" / f).read_bytes())
+    save_file(rel, str(tmp_path / "b" / "model.safetensors"))
+    ids = rand_ids(50, 8)
+    llm.set_policy("full")
+    llm_rel = LLM(str(tmp_path / "b"), cache_mode="full")
+    assert torch.equal(llm.next_token_logits(Prompt(query=ids)), llm_rel.next_token_logits(Prompt(query=ids)))

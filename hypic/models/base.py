@@ -28,8 +28,19 @@ class CausalLM(nn.Module):
 
     @property
     def mixers(self) -> dict[int, nn.Module]:
-        """layer index -> its stateful mixer (a LinearMixer or an AttentionMixer)."""
-        return {i: layer.state_mixer for i, layer in enumerate(self.model.layers) if layer.state_mixer is not None}
+        """mixer id -> stateful mixer (a LinearMixer or an AttentionMixer). The id is the mixer's `layer_idx`: the
+        layer's index, except in a layer with several stateful mixers side by side (`state_mixers`, Falcon-H1),
+        whose mixers carry ids of their own; every state, entry and buffer is keyed by this id."""
+        out = {}
+        for i, layer in enumerate(self.model.layers):
+            group = getattr(layer, "state_mixers", None)
+            if group is None:
+                group = () if layer.state_mixer is None else (layer.state_mixer,)
+            for m in group:
+                if m.layer_idx in out:
+                    raise ValueError(f"two stateful mixers share the id {m.layer_idx} (layer {i})")
+                out[m.layer_idx] = m
+        return out
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.embed_tokens(batch.input_ids)

@@ -165,6 +165,36 @@ def granitemoehybrid(tensors: dict, cfg: ModelConfig) -> dict:
                                      (moe + r"router\.layer\.", ".block_sparse_moe.router.")]), cfg)
 
 
+def bailing_hybrid(tensors: dict, cfg: ModelConfig) -> dict:
+    """Ling 3.0's released layout: model.word_embeddings, layers.{i}.attention.{..., dense (o_proj), q/k/v_conv1d,
+    f_proj, dt_bias, A_log (the forget gate's)}, per-expert mlp.experts.{e}.{gate,up,down}_proj, mlp.gate.expert_bias;
+    the MTP layers stored after the last decoder layer are dropped (standard decoding does not use them)."""
+    n = cfg.num_layers
+    t = {k: v for k, v in tensors.items()
+         if not ((m := re.match(r"^model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= n)}
+    t = _rename(t, [(r"^model\.word_embeddings\.", "model.embed_tokens."), (r"\.attention\.", ".self_attn."),
+                    (r"\.self_attn\.dense\.", ".self_attn.o_proj."),
+                    (r"\.self_attn\.(f_proj\.|dt_bias$|A_log$)", r".self_attn.forget_gate.\1"),
+                    (r"\.mlp\.gate\.expert_bias$", ".mlp.gate.e_score_correction_bias")])
+    out = {}
+    for name, x in t.items():
+        if name.endswith("self_attn.q_conv1d.weight"):
+            parts = [t.get(name.replace("q_conv1d", c)) for c in ("q_conv1d", "k_conv1d", "v_conv1d")]
+            if any(y is None for y in parts):
+                from ..errors import WeightsError
+
+                raise WeightsError(f"{name}: the k_conv1d / v_conv1d tensors beside it are missing")
+            out[name.replace("q_conv1d", "conv1d")] = torch.cat(parts, dim=0)
+        elif not name.endswith(("self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")):
+            out[name] = x
+    return _common(out, cfg)
+
+
+def falcon_h1(tensors: dict, cfg: ModelConfig) -> dict:
+    """transformers' FalconH1ForCausalLM layout as saved (no renames)."""
+    return _common(tensors, cfg)
+
+
 def olmo_hybrid(tensors: dict, cfg: ModelConfig) -> dict:
     """The released layout (as transformers also saves it): a GDN layer's pre-norms are attention_layer_norm and
     feedforward_layer_norm, its short conv three tensors q_conv1d / k_conv1d / v_conv1d, joined here in that

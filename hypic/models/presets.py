@@ -99,6 +99,30 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=256,
         bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # Ling 3.0: KDA (bounded gate) x3 then MLA with interleaved RoPE, twice; a dense first layer, then the DeepSeek MoE.
+    "tiny-ling-3.0": dict(
+        model_type="bailing_hybrid", vocab_size=320, hidden_size=64, num_hidden_layers=8, layer_group_size=4,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, short_conv_kernel_size=4, kv_lora_rank=16,
+        q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
+        moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+        topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, kda_safe_gate=True,
+        kda_lower_bound=-5.0, rope_theta=10000.0, num_mtp_layers=0, max_position_embeddings=65536, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
+    # Falcon-H1: Mamba2 (2 groups, a gated norm before the gate) beside RoPE attention in every layer, muP multipliers
+    # away from 1 everywhere.
+    "tiny-falcon-h1": dict(
+        model_type="falcon_h1", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, mamba_conv_bias=True,
+        mamba_proj_bias=False, mamba_norm_before_gate=True, mamba_rms_norm=True, projectors_bias=False,
+        intermediate_size=128, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        embedding_multiplier=1.5, lm_head_multiplier=0.5, mlp_multipliers=[1.2, 0.8], key_multiplier=0.7,
+        attention_in_multiplier=0.9, attention_out_multiplier=1.1, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+        ssm_in_multiplier=1.2, ssm_out_multiplier=0.8, hidden_act="silu", max_position_embeddings=65536,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=256, bos_token_id=None, pad_token_id=None,
+        initializer_range=0.02,
+    ),
     # OLMo-Hybrid: GDN with 2 key / 4 value heads (beta in [0, 2]), OLMo 3 attention (RoPE) at layers 2 and 5.
     "tiny-olmo-hybrid": dict(
         model_type="olmo_hybrid", vocab_size=320, hidden_size=64, num_hidden_layers=6,
