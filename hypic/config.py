@@ -844,6 +844,12 @@ class EngineConfig:
     disk_cache_bytes: int = 64 << 30
     eviction: str = "lru"                 # the segment store's device and host tiers: "lru", or "cost" (GreedyDual-Size
                                           # on the prefill work an entry saves per byte it holds: cache/store.py)
+    admission: str = "always"             # the segment store's admission: "always" (every cold entry is stored), or
+                                          # "repeat" (only from a segment's second sighting within the last
+                                          # admission_window distinct ones: one-off documents do not evict reused ones)
+    admission_window: int = 65536
+    supersede_versions: bool = True       # a request bringing version v of a tagged document (hypic.Segment) drops
+                                          # the cached entries of its other versions, in every tier
     prefix_cache_bytes: int = 4 << 30
     namespace: str = "default"
     backend: str = "auto"              # op backend (hypic/ops): "auto" (= "fast"), "fast", "reference"
@@ -873,6 +879,10 @@ class EngineConfig:
             raise ConfigError(f"compose_first_piece must be >= 0, got {self.compose_first_piece}")
         if self.eviction not in ("lru", "cost"):
             raise ConfigError(f"unknown eviction {self.eviction!r}; use 'lru' or 'cost'")
+        if self.admission not in ("always", "repeat"):
+            raise ConfigError(f"unknown admission {self.admission!r}; use 'always' or 'repeat'")
+        if self.admission_window < 1:
+            raise ConfigError(f"admission_window must be >= 1, got {self.admission_window}")
         if self.walk not in ("phased", "rounds"):
             raise ConfigError(f"unknown walk {self.walk!r}; use 'phased' or 'rounds'")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):

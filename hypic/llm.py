@@ -214,6 +214,13 @@ class LLM:
         if self.engine.composer is not None:           # its buffers hold copies of cached entries
             self.engine.composer.clear()
 
+    def invalidate(self, doc_id: str | None = None, namespace: str | None = None, version: str | None = None) -> int:
+        """Deletes cached segment entries from every tier (device, host, disk): those of document `doc_id` (tagged
+        with hypic.Segment; every version, or `version` only), within `namespace` if given (else in every
+        namespace), or, with no doc_id, everything of `namespace` (its prefix-cache nodes too). Returns how many
+        segment entries went."""
+        return self.engine.invalidate(doc_id=doc_id, namespace=namespace, version=version)
+
     def parallel_stats(self) -> dict | None:
         """Segment-parallel cold prefill: workers ready / dead / late and counters (None without workers)."""
         w = self.engine.workers

@@ -11,14 +11,35 @@ Span = Union[str, Sequence[int]]
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A segment with the document it comes from: `doc_id` (and `version`, e.g. a revision or a content date) tag
+    its cache entry, so `LLM.invalidate(doc_id=...)` removes it from every tier, and a request that brings a new
+    version of a document drops the entries of its other versions (EngineConfig.supersede_versions). The tag is
+    part of the entry's key: the same text under two document ids makes two entries."""
+
+    content: Span
+    doc_id: str | None = None
+    version: str | None = None
+
+    def __post_init__(self):
+        for name in ("doc_id", "version"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v or len(v) > 256):
+                raise InvalidRequestError(f"segment {name} must be a non-empty string of at most 256 characters")
+        if self.version is not None and self.doc_id is None:
+            raise InvalidRequestError("a segment version needs a doc_id")
+
+
+@dataclass(frozen=True)
 class Prompt:
     """prefix (optional, shared, exact prefix cache) + segments (position independent) + query.
 
-    Each part is a string (tokenized alone) or a list of token ids (used as is).
+    Each part is a string (tokenized alone) or a list of token ids (used as is); a segment may also be a
+    `Segment` (the same, tagged with its document id and version).
     `namespace` isolates tenants: segments cached under one namespace never serve another.
     """
 
-    segments: Sequence[Span] = ()
+    segments: Sequence[Span | Segment] = ()
     query: Span = ""
     prefix: Span | None = None
     namespace: str | None = None

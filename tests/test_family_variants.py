@@ -5,7 +5,7 @@ Granite: the preset is NoPE with experts; here RoPE (cached keys placed at new p
 shared MLP only), the released expert names, a time-step limit. OLMo-Hybrid: the preset has RoPE and beta in
 [0, 2]; here NoPE and beta in [0, 1], and the released layout's q / k / v conv tensors at their real widths.
 Falcon-H1: the preset has a gated norm before the gate; here after it, none (y * silu(z)), and the Mamba2 width from
-mamba_expand; and a segment entry holds both of a layer's mixers. Ling 3.0 (transformers >= 5.24): the preset has
+mamba_expand; and a segment entry holds both of a layer's mixers. Ling 3.0 (in transformers 5.24, not 5.17): the preset has
 the bounded KDA gate and full-rank queries; here the unbounded gate and low-rank queries, and the released layout
 (attention / dense names, split convs, per-expert tensors, expert_bias, MTP layers dropped).
 Oracle: transformers' own classes with the same random weights; bounds as tests/test_oracle.py and

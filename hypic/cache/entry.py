@@ -30,18 +30,22 @@ from ..runtime.state import nbytes
 
 @dataclass(frozen=True)
 class SegmentKey:
-    """One entry per model fingerprint, namespace, token ids, seam width and anchor (what the isolated prefill ran
-    after: "" for nothing, else the sha256 of those ids)."""
+    """One entry per model fingerprint, namespace, token ids, seam width, anchor (what the isolated prefill ran
+    after: "" for nothing, else the sha256 of those ids) and, for a tagged segment, document id and version."""
 
     model: str
     namespace: str
     tokens: str        # sha256 of the token ids
     seam: int
     anchor: str = ""
+    doc: str = ""      # the document the segment came from (hypic.Segment.doc_id), "" if untagged
+    version: str = ""
 
     @property
     def id(self) -> str:
         text = f"{self.model}|{self.namespace}|{self.tokens}|{self.seam}" + (f"|{self.anchor}" if self.anchor else "")
+        if self.doc:
+            text += f"|doc={self.doc}|v={self.version}"
         h = hashlib.sha256(text.encode()).hexdigest()
         return f"seg-{h[:24]}"
 
@@ -185,6 +189,7 @@ class PrefixNode:
     tokens: tuple[int, ...]
     start: int                                  # absolute position of the span's first token
     layers: dict[int, Any]                      # layer -> LinearState | KVSpan
+    namespace: str = ""                         # the tenant whose requests made it (invalidation by namespace)
 
     @property
     def end(self) -> int:

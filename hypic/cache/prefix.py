@@ -41,5 +41,12 @@ class PrefixCache:
     def insert(self, node: PrefixNode) -> bool:
         return self.store.put(node.key, node)
 
+    def drop_namespace(self, namespace: str) -> int:
+        """Deletes every node a request of `namespace` made; returns how many."""
+        gone = [k for k, node in self.store.items() if node.namespace == namespace]
+        for k in gone:
+            self.store.delete(k)
+        return len(gone)
+
     def clear(self, counters: bool = False) -> None:
         self.store.clear(counters)

@@ -155,6 +155,10 @@ class MemoryStore:
         with self._lock:
             return list(self._data.values())
 
+    def items(self):
+        with self._lock:
+            return list(self._data.items())
+
     def check(self) -> None:
         """Integrity: accounted bytes equal the sum of entry sizes and fit the budget."""
         with self._lock:

@@ -92,6 +92,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._stats = DiskStats(capacity_bytes=capacity_bytes)
         self._index: dict[str, tuple[int, float]] = {}          # key id -> (bytes on disk, last use)
+        self._keys: dict[str, SegmentKey] = {}                  # key id -> key, for files written or read here
         for f in self.dir.glob("*" + self.SUFFIX):
             st = f.stat()
             self._index[f.name[: -len(self.SUFFIX)]] = (st.st_size, st.st_mtime)
@@ -113,6 +114,8 @@ class DiskStore:
                 self._stats.rejected += 1
             return False
         self._q.put((key.id, packed))
+        with self._lock:
+            self._keys[key.id] = key
         return True
 
     def flush(self) -> None:
@@ -153,8 +156,32 @@ class DiskStore:
 
     def _drop_locked(self, kid: str) -> None:
         size, _ = self._index.pop(kid)
+        self._keys.pop(kid, None)
         self._stats.bytes -= size
         self._path(kid).unlink(missing_ok=True)
+
+    def _key_locked(self, kid: str) -> SegmentKey | None:
+        """The key of a file on disk: known if written or read here, else read from its header (a file from an
+        earlier run); None if the header cannot be read."""
+        if kid not in self._keys:
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(self._path(kid)), framework="pt") as fh:
+                    self._keys[kid] = meta_from_json((fh.metadata() or {})["hypic_entry"])["key"]
+            except Exception:
+                return None
+        return self._keys[kid]
+
+    def delete_where(self, match) -> list[str]:
+        """Deletes every entry whose key satisfies match(key) (a file whose header cannot be read is kept: get
+        verifies it); returns their key ids."""
+        self.flush()
+        with self._lock:
+            gone = [kid for kid in self._index if (k := self._key_locked(kid)) is not None and match(k)]
+            for kid in gone:
+                self._drop_locked(kid)
+            return gone
 
     # -- reads -------------------------------------------------------------------------------------------
     def get(self, key: SegmentKey) -> PackedEntry | None:
@@ -181,6 +208,7 @@ class DiskStore:
                 self._stats.misses += 1
                 return None
             self._index[kid] = (self._index[kid][0], time.time())
+            self._keys[kid] = key
             self._stats.hits += 1
             return packed
 
@@ -298,6 +326,20 @@ class TieredStore:
             if self.disk is not None:
                 found = self.disk.delete_id(kid) or found
             return found
+
+    def delete_where(self, match) -> int:
+        """Deletes every entry whose SegmentKey satisfies match(key) from every tier (invalidation by document,
+        version or namespace); returns how many entries went (an entry held by two tiers counts once)."""
+        with self._lock:
+            gone = set()
+            for tier in (self.mem, self.host):
+                if tier is not None:
+                    for k in [k for k in tier.keys() if match(k)]:
+                        if tier.delete(k):
+                            gone.add(k.id)
+            if self.disk is not None:
+                gone.update(self.disk.delete_where(match))
+            return len(gone)
 
     def clear(self, counters: bool = False) -> None:
         with self._lock:

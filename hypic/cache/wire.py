@@ -86,7 +86,8 @@ def meta_to_json(meta: dict) -> str:
     """The description as JSON (for files: reading it back runs no code, unlike a pickle)."""
     d = dict(meta)
     k = d["key"]
-    d["key"] = {"model": k.model, "namespace": k.namespace, "tokens": k.tokens, "seam": k.seam, "anchor": k.anchor}
+    d["key"] = {"model": k.model, "namespace": k.namespace, "tokens": k.tokens, "seam": k.seam, "anchor": k.anchor,
+                "doc": k.doc, "version": k.version}
     d["seam_ids"] = list(d["seam_ids"])
     return json.dumps(d, sort_keys=True)
 

@@ -72,8 +72,10 @@ class Planner:
         self.segments = segments
         self.prefix = prefix
 
-    def segment_key(self, tokens, seam: int, namespace: str, digest: str | None = None, anchor: str = "") -> SegmentKey:
-        return SegmentKey(self.fingerprint, namespace, digest or tokens_digest(tokens), seam, anchor)
+    def segment_key(self, tokens, seam: int, namespace: str, digest: str | None = None, anchor: str = "",
+                    doc: tuple[str, str] | None = None) -> SegmentKey:
+        d, v = doc or ("", "")
+        return SegmentKey(self.fingerprint, namespace, digest or tokens_digest(tokens), seam, anchor, d, v)
 
     def plan(self, tp: TokenizedPrompt, policy: CachePolicy) -> PrefillPlan:
         plan = PrefillPlan(tp, policy)
@@ -84,9 +86,9 @@ class Planner:
         if policy.uses_segments:
             anchor = tuple(tp.prefix) if policy.anchor == "prefix" and tp.prefix else ()
             anchor_digest = tp.digest(tp.prefix) if anchor else ""
-            for seg in tp.segments:
+            for i, seg in enumerate(tp.segments):
                 w = min(policy.seam, len(seg))
-                key = (self.segment_key(seg, policy.seam, tp.namespace, tp.digest(seg), anchor_digest)
+                key = (self.segment_key(seg, policy.seam, tp.namespace, tp.digest(seg), anchor_digest, tp.doc(i))
                        if w < len(seg) else None)
                 slot = SegmentSlot(seg, w, key, anchor=anchor)
                 if key is not None:

@@ -8,6 +8,8 @@ The caches (segment store, prefix cache) live here; only this module mutates the
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import time
 from dataclasses import dataclass, field
 
@@ -63,6 +65,9 @@ class Engine:
                                     config.disk_cache_dir or None, config.disk_cache_bytes, cost=cost)
         self.prefix = PrefixCache(config.prefix_cache_bytes, loaded.fingerprint)
         self.planner = Planner(loaded.fingerprint, self.segments, self.prefix)
+        self._seen: OrderedDict = OrderedDict()     # admission "repeat": key ids sighted once, oldest first
+        self._versions: OrderedDict = OrderedDict()  # (namespace, doc_id) -> the version last requested
+        self.store_counts = {"admission_deferred": 0, "invalidated": 0}
         tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(tok.eos_token_ids if tok else ())
         mode = config.decode_mode
@@ -78,7 +83,57 @@ class Engine:
 
     # -- stage 1: plan -------------------------------------------------------------------------
     def _plan(self, reqs: list[Request]) -> list[PrefillPlan]:
+        if self.config.supersede_versions:
+            for r in reqs:
+                self._supersede(r.prompt)
         return [self.planner.plan(r.prompt, r.policy) for r in reqs]
+
+    # -- the segment store's policies: versions, invalidation, admission ---------------------------
+    def _supersede(self, tp) -> None:
+        """A tagged document seen at a new version: its entries at other versions go from every tier."""
+        for doc in tp.docs:
+            if doc is None or not doc[1]:
+                continue
+            k = (tp.namespace, doc[0])
+            last = self._versions.pop(k, None)
+            self._versions[k] = doc[1]
+            if len(self._versions) > 1 << 20:
+                self._versions.popitem(last=False)
+            if last is not None and last != doc[1]:
+                self.invalidate(doc_id=doc[0], namespace=tp.namespace, keep_version=doc[1])
+
+    def invalidate(self, doc_id: str | None = None, namespace: str | None = None, version: str | None = None,
+                   keep_version: str | None = None) -> int:
+        """Deletes the segment entries of a document (any version, or `version` only, or all but `keep_version`),
+        or of a whole namespace, from every tier; returns how many. A namespace also loses its prefix-cache
+        nodes. Running requests keep the entries they already hold."""
+        if doc_id is None and namespace is None:
+            raise ValueError("invalidate needs a doc_id or a namespace (clear_cache drops everything)")
+
+        def match(k) -> bool:
+            return ((namespace is None or k.namespace == namespace) and (doc_id is None or k.doc == doc_id)
+                    and (version is None or k.version == version)
+                    and (keep_version is None or k.version != keep_version))
+
+        n = self.segments.delete_where(match)
+        if doc_id is None:
+            self.prefix.drop_namespace(namespace)
+        if self.composer is not None:                # its buffers may hold copies of the entries
+            self.composer.clear()
+        self.store_counts["invalidated"] += n
+        return n
+
+    def _admit(self, key) -> bool:
+        """Admission "repeat": a key is stored from its second sighting among the last admission_window keys."""
+        if self.config.admission == "always":
+            return True
+        if self._seen.pop(key.id, None) is not None:
+            return True
+        self._seen[key.id] = True
+        if len(self._seen) > self.config.admission_window:
+            self._seen.popitem(last=False)
+        self.store_counts["admission_deferred"] += 1
+        return False
 
     # -- stage 2: cold prefill (prefix spans of PIC requests, cold segments) -----------------------
     def _cold_prefixes(self, plans: list[PrefillPlan]) -> None:
@@ -96,7 +151,7 @@ class Engine:
                                                    [("run", prefix, {"mark": True})], logits="none")))
         self.model(builder.build(walk=self.config.walk))
         for key, prefix, work in works:
-            node = self._node(key, None, prefix, 0, work.pieces[0].captures)
+            node = self._node(key, None, prefix, 0, work.pieces[0].captures, todo[key][0].prompt.namespace)
             self.prefix.insert(node)
             for p in todo[key]:
                 p.matched = [node]
@@ -125,7 +180,8 @@ class Engine:
             made = local(range(len(slots)))
         entries = dict(zip(distinct, made))
         for key, entry in entries.items():
-            self.segments.put(key, entry)
+            if self._admit(key):
+                self.segments.put(key, entry)
         for p in plans:
             for slot in p.cold_slots:
                 slot.entry = entries[slot.key]
@@ -184,13 +240,13 @@ class Engine:
         start = sum(len(n.tokens) for n in plan.matched)
         parent = plan.matched[-1].key if plan.matched else None
         for toks, key, run in zip(spans[k:], plan.boundary_keys[k:], marked):
-            node = self._node(key, parent, toks, start, run.captures)
+            node = self._node(key, parent, toks, start, run.captures, plan.prompt.namespace)
             self.prefix.insert(node)
             parent, start = key, start + len(toks)
 
-    def _node(self, key, parent, tokens, start, captures) -> PrefixNode:
+    def _node(self, key, parent, tokens, start, captures, namespace: str) -> PrefixNode:
         """A prefix-cache node from a marked run's captures (each mixer's state part after the span)."""
-        return PrefixNode(key, parent, tuple(tokens), start, dict(captures))
+        return PrefixNode(key, parent, tuple(tokens), start, dict(captures), namespace)
 
     def _counts(self, r: Request, p: PrefillPlan, prefix_reused: bool) -> None:
         """Where each prompt token came from: prefix + composed + recomputed = prompt length."""

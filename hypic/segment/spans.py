@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InvalidRequestError
-from ..types import Prompt
+from ..types import Prompt, Segment
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,10 @@ class TokenizedPrompt:
     namespace: str
     # the digests made while validating, by the span's identity (id of its tuple; the spans live as long as this)
     known_digests: dict = field(default_factory=dict, compare=False, repr=False)
+    docs: tuple = ()            # per segment: (doc_id, version or "") or None; empty: no segment is tagged
+
+    def doc(self, i: int) -> tuple[str, str] | None:
+        return self.docs[i] if self.docs else None
 
     def digest(self, span: tuple[int, ...]) -> str:
         """tokens_digest(span), made once per span (while validating, from the ids already in an array)."""
@@ -129,14 +133,17 @@ def tokenize_prompt(prompt: Prompt, tokenizer, *, vocab_size: int, max_len: int,
     if len(segs) > max_segments:
         raise InvalidRequestError(f"too many segments: {len(segs)} > {max_segments}")
     prefix = span(prompt.prefix, "prefix")
-    segments = tuple(span(s, f"segment {i}") for i, s in enumerate(segs))
+    docs = tuple((s.doc_id, s.version or "") if isinstance(s, Segment) and s.doc_id is not None else None
+                 for s in segs)
+    segments = tuple(span(s.content if isinstance(s, Segment) else s, f"segment {i}") for i, s in enumerate(segs))
     for i, s in enumerate(segments):
         if not s:
             raise InvalidRequestError(f"segment {i} is empty")
     query = span(prompt.query, "query")
     if not query:
         raise InvalidRequestError("the query is empty: a prompt needs at least one query token")
-    tp = TokenizedPrompt(prefix, segments, query, prompt.namespace or default_namespace, digests)
+    tp = TokenizedPrompt(prefix, segments, query, prompt.namespace or default_namespace, digests,
+                         docs if any(d is not None for d in docs) else ())
     if len(tp) > max_len:
         raise InvalidRequestError(f"prompt of {len(tp)} tokens exceeds the model's maximum of {max_len}")
     return tp

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import HypicError, InvalidRequestError
 from ..runtime.scheduler import Job, QueueFullError, Scheduler, SchedulerClosedError, SchedulerConfig
-from ..types import Prompt, SamplingParams
+from ..types import Prompt, SamplingParams, Segment
 from . import protocol as P
 from .metrics import Metrics
 
@@ -88,6 +88,19 @@ class _Text:
             return "", False
         delta, self.text, self.sent = text[self.sent :], text, len(text)
         return delta, False
+
+
+def _segment(s):
+    """A request's segment: plain text as is; one tagged with its document (a `segments` object, or a content part
+    with doc_id) as a hypic.Segment."""
+    if isinstance(s, str):
+        return s
+    if s.doc_id is None and s.version is None:
+        return s.text
+    try:
+        return Segment(s.text, s.doc_id, s.version)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param="segments") from None
 
 
 def build_app(llm, config: ServerConfig) -> FastAPI:
@@ -161,7 +174,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
                 raise ApiError(400, "a list of several prompts is not supported; send one prompt", param="prompt")
             prompt = prompt[0]
         if body.segments is not None:
-            return Prompt(prefix=body.prefix, segments=body.segments, query=prompt, namespace=body.namespace)
+            return Prompt(prefix=body.prefix, segments=[_segment(s) for s in body.segments], query=prompt,
+                          namespace=body.namespace)
         if isinstance(prompt, str) and config.separator in prompt:
             *segs, query = prompt.split(config.separator)
             return Prompt(prefix=body.prefix, segments=segs, query=query, namespace=body.namespace)
@@ -171,20 +185,20 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         tok = llm.tokenizer
         if tok is None or not tok.chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
-        segs: list[str] = []
+        segs: list = []                          # each a str or a hypic.Segment (tagged with its document)
         messages = []
         last_user = max((i for i, m in enumerate(body.messages) if m.role == "user"), default=None)
 
-        def mark(text):
-            segs.append(text)
+        def mark(seg):
+            segs.append(seg)
             return f"\ue000{len(segs) - 1}\ue001"
 
         for i, m in enumerate(body.messages):
             parts = m.content if isinstance(m.content, list) else [P.ContentPart(type="text", text=m.content or "")]
             text = ""
             if i == last_user and body.segments:
-                text += "".join(mark(s) for s in body.segments)
-            text += "".join(mark(p.text) if p.segment else p.text for p in parts)
+                text += "".join(mark(_segment(s)) for s in body.segments)
+            text += "".join(mark(_segment(p)) if p.segment else p.text for p in parts)
             messages.append({"role": m.role, "content": text})
         if body.segments and last_user is None:
             raise ApiError(400, "`segments` needs a user message to attach to", param="segments")
@@ -321,6 +335,13 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         if llm.engine.segments.delete_id(key):          # every tier: device, host, disk
             return {"deleted": key}
         raise ApiError(404, f"no cached segment {key!r}", "not_found_error")
+
+    @app.post("/admin/invalidate", dependencies=[Depends(auth)])
+    async def admin_invalidate(body: P.InvalidateRequest):
+        if body.doc_id is None and body.namespace is None:
+            raise ApiError(400, "give a doc_id or a namespace (POST /admin/clear drops everything)")
+        n = llm.invalidate(doc_id=body.doc_id, namespace=body.namespace, version=body.version)
+        return {"invalidated": n}
 
     @app.post("/admin/clear", dependencies=[Depends(auth)])
     async def admin_clear():

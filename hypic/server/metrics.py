@@ -54,6 +54,11 @@ class _StateCollector:
             hits.add_metric([name], s["hits"])
             misses.add_metric([name], s["misses"])
         yield from (entries, nbytes, evictions, hits, misses)
+        counts = self.llm.engine.store_counts
+        yield CounterMetricFamily("hypic_store_invalidated", "Segment entries deleted by invalidation (document, "
+                                  "version or namespace)", value=counts["invalidated"])
+        yield CounterMetricFamily("hypic_store_admission_deferred", "Cold segment entries not stored at their first "
+                                  "sighting (admission 'repeat')", value=counts["admission_deferred"])
         q = self.scheduler.stats()
         yield GaugeMetricFamily("hypic_queue_length", "Requests waiting for admission", value=q["waiting"])
         yield GaugeMetricFamily("hypic_running_requests", "Requests in the running batch", value=q["running"])

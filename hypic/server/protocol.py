@@ -26,6 +26,16 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class SegmentPart(BaseModel):
+    """A segment with the document it comes from (hypic.Segment): {"text": ..., "doc_id": ..., "version": ...}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: StrictStr
+    doc_id: Optional[StrictStr] = None
+    version: Optional[StrictStr] = None
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -41,7 +51,7 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     n: StrictInt = 1
-    segments: Optional[list[StrictStr]] = None
+    segments: Optional[list[Union[StrictStr, SegmentPart]]] = None
     namespace: Optional[StrictStr] = None
     cache_mode: Optional[StrictStr] = None     # per-request override: full | prefix | naive | pic
     seam: Optional[StrictInt] = None           # per-request seam width
@@ -61,6 +71,19 @@ class ContentPart(BaseModel):
     type: Literal["text"]
     text: StrictStr
     segment: StrictBool = False
+    doc_id: Optional[StrictStr] = None           # with segment: the document it comes from (hypic.Segment)
+    version: Optional[StrictStr] = None
+
+
+class InvalidateRequest(BaseModel):
+    """POST /admin/invalidate: a document's entries (every version, or `version`), within `namespace` if given; or,
+    with no doc_id, a whole namespace."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    doc_id: Optional[StrictStr] = None
+    version: Optional[StrictStr] = None
+    namespace: Optional[StrictStr] = None
 
 
 class Message(BaseModel):
