@@ -43,12 +43,17 @@ def _store_args(p: argparse.ArgumentParser) -> None:
                    help="its host tier (pinned on CUDA): entries evicted from the device wait there")
     p.add_argument("--disk-cache-dir", default="", help="its disk tier: entries written through, kept across restarts")
     p.add_argument("--disk-cache-gb", type=float, default=64.0)
+    p.add_argument("--eviction", default="lru", choices=["lru", "cost"],
+                   help="device and host tiers: least recently used, or least prefill saved per byte first")
+    p.add_argument("--admission", default="always", choices=["always", "repeat"],
+                   help="store every cold entry, or only from a segment's second sighting")
 
 
 def _store(a: argparse.Namespace) -> dict:
     gb = 1 << 30
     return dict(segment_cache_bytes=int(a.segment_cache_gb * gb), host_cache_bytes=int(a.host_cache_gb * gb),
-                disk_cache_dir=a.disk_cache_dir, disk_cache_bytes=int(a.disk_cache_gb * gb))
+                disk_cache_dir=a.disk_cache_dir, disk_cache_bytes=int(a.disk_cache_gb * gb), eviction=a.eviction,
+                admission=a.admission)
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
