@@ -12,13 +12,15 @@ from __future__ import annotations
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import AttentionMixer
+from .attention import RopeAttention
 from .norm import ScaledRMSNorm
 
 
-class MultiHeadLatentAttention(AttentionMixer):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
-        super().__init__(layer_idx, ops)
+class MultiHeadLatentAttention(RopeAttention):
+    """rotary None: NoPE (Kimi-Linear); a subclass that places keys by RoPE passes its Rotary (models/bailing_hybrid.py)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary=None):
+        super().__init__(layer_idx, ops, rotary)
         p = cfg.params
         hs = cfg.hidden_size
         self.nh = self.num_kv_heads = p.num_attention_heads

@@ -18,14 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import FULL, ModelConfig
-from ..layers.attention import RopeAttention
+from ..config import ModelConfig
 from ..layers.kda import KimiDeltaAttention
-from ..layers.mlp import MLP
-from ..layers.norm import ScaledRMSNorm
+from ..layers.mla import MultiHeadLatentAttention
 from ..layers.rope import Rotary
-from ..runtime.batch import ForwardBatch
-from .kimi_linear import KimiLinearForCausalLM, KimiMoe
+from . import kimi_linear
+from .kimi_linear import KimiLinearForCausalLM
 
 
 class BailingForgetGate(nn.Module):
@@ -59,29 +57,12 @@ class BailingDeltaAttention(KimiDeltaAttention):
         return {"raw": raw, "g": self.forget_gate(x), "beta": torch.sigmoid(self.b_proj(x)), "gate": self.g_proj(x)}
 
 
-class BailingLatentAttention(RopeAttention):
-    """MLA with RoPE on the shared rope dims (see the module docstring for the layout)."""
+class BailingLatentAttention(MultiHeadLatentAttention):
+    """MLA with RoPE on the shared rope dims (see the module docstring for the layout) and a per-head output gate."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
-        super().__init__(layer_idx, ops, rotary)
-        p = cfg.params
-        hs = cfg.hidden_size
-        self.nh = self.num_kv_heads = p.num_attention_heads
-        self.nope, self.rope, self.vd = p.qk_nope_head_dim, p.qk_rope_head_dim, p.v_head_dim
-        self.kv_lora_rank, self.q_lora_rank = p.kv_lora_rank, p.q_lora_rank
-        self.key_dim, self.value_dim = self.nope + self.rope, self.vd
-        if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hs, self.nh * self.key_dim, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(hs, self.q_lora_rank, bias=p.attention_bias)
-            self.q_a_layernorm = ScaledRMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.nh * self.key_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hs, self.kv_lora_rank + self.rope, bias=p.attention_bias)
-        self.kv_a_layernorm = ScaledRMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.nh * (self.nope + self.vd), bias=False)
-        self.o_proj = nn.Linear(self.nh * self.vd, hs, bias=p.attention_bias)
-        self.g_proj = nn.Linear(hs, self.nh, bias=False)
-        self.scale = self.key_dim ** -0.5
+        super().__init__(cfg, layer_idx, ops, rotary)
+        self.g_proj = nn.Linear(cfg.hidden_size, self.nh, bias=False)
         # interleaved pairs -> rotate-half halves: evens first, then odds (a plain list: no parameter, no buffer)
         self._order = list(range(0, self.rope, 2)) + list(range(1, self.rope, 2))
 
@@ -103,33 +84,12 @@ class BailingLatentAttention(RopeAttention):
         return self.o_proj((out.view(n, self.nh, self.vd) * g[..., None]).reshape(n, -1))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
-        super().__init__()
-        p = cfg.params
-        self.self_attn = (BailingLatentAttention(cfg, i, ops, rotary) if cfg.layer_types[i] == FULL
-                          else BailingDeltaAttention(cfg, i, ops))
-        self.mlp = KimiMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
-        self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    @property
-    def state_mixer(self):
-        return self.self_attn
-
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Backbone(nn.Module):
+class Backbone(kimi_linear.Backbone):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        p = cfg.params
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg, p.qk_rope_head_dim, dict(p.rope_parameters))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
-        self.norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        rotary = Rotary(cfg, cfg.params.qk_rope_head_dim, dict(cfg.params.rope_parameters))
+        super().__init__(cfg, ops, full=lambda c, i, o: BailingLatentAttention(c, i, o, rotary),
+                         linear=BailingDeltaAttention)
+        self.rotary = rotary
 
 
 class BailingHybridForCausalLM(KimiLinearForCausalLM):

@@ -101,19 +101,31 @@ _MIXTRAL = [(r"\.block_sparse_moe\.", ".mlp."), (r"(\.mlp\.experts\.\d+)\.w1\.",
             (r"(\.mlp\.experts\.\d+)\.w3\.", r"\1.up_proj."), (r"(\.mlp\.experts\.\d+)\.w2\.", r"\1.down_proj.")]
 
 
+def _join_convs(t: dict, owner: str) -> dict:
+    """`{owner}.q_conv1d.weight`, `k_conv1d`, `v_conv1d` (a linear layer's separate short convs, as released) joined
+    along the channels into `{owner}.conv1d.weight`, the one conv hypic runs over [q | k | v]; a missing part is an
+    error. Joining needs only their order: transformers saves OLMo-Hybrid's in near-equal chunks, not at the q / k / v
+    widths, and gets the same weight back."""
+    out = {}
+    for name, x in t.items():
+        if name.endswith(f"{owner}.q_conv1d.weight"):
+            parts = [t.get(name.replace("q_conv1d", c)) for c in ("q_conv1d", "k_conv1d", "v_conv1d")]
+            if any(y is None for y in parts):
+                from ..errors import WeightsError
+
+                raise WeightsError(f"{name}: the k_conv1d / v_conv1d tensors beside it are missing")
+            out[name.replace("q_conv1d", "conv1d")] = torch.cat(parts, dim=0)
+        elif not name.endswith((f"{owner}.k_conv1d.weight", f"{owner}.v_conv1d.weight")):
+            out[name] = x
+    return out
+
+
 def kimi_linear(tensors: dict, cfg: ModelConfig) -> dict:
     """Checkpoint layout (as save_pretrained writes it): block_sparse_moe.{gate, experts.{e}.w1/w2/w3,
     shared_experts} (dense layers too), q/k/v_conv1d (concatenated into one conv here), forget-gate
     tensors directly under self_attn."""
     t = _rename(tensors, _MIXTRAL + [(r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)", r".self_attn.forget_gate.\1")])
-    out = {}
-    for name, x in t.items():
-        if name.endswith("self_attn.q_conv1d.weight"):
-            parts = [t[name.replace("q_conv1d", c)] for c in ("q_conv1d", "k_conv1d", "v_conv1d")]
-            out[name.replace("q_conv1d", "conv1d")] = torch.cat(parts, dim=0)
-        elif not name.endswith(("self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")):
-            out[name] = x
-    return _common(out, cfg)
+    return _common(_join_convs(t, "self_attn"), cfg)
 
 
 def minimax(tensors: dict, cfg: ModelConfig) -> dict:
@@ -176,18 +188,7 @@ def bailing_hybrid(tensors: dict, cfg: ModelConfig) -> dict:
                     (r"\.self_attn\.dense\.", ".self_attn.o_proj."),
                     (r"\.self_attn\.(f_proj\.|dt_bias$|A_log$)", r".self_attn.forget_gate.\1"),
                     (r"\.mlp\.gate\.expert_bias$", ".mlp.gate.e_score_correction_bias")])
-    out = {}
-    for name, x in t.items():
-        if name.endswith("self_attn.q_conv1d.weight"):
-            parts = [t.get(name.replace("q_conv1d", c)) for c in ("q_conv1d", "k_conv1d", "v_conv1d")]
-            if any(y is None for y in parts):
-                from ..errors import WeightsError
-
-                raise WeightsError(f"{name}: the k_conv1d / v_conv1d tensors beside it are missing")
-            out[name.replace("q_conv1d", "conv1d")] = torch.cat(parts, dim=0)
-        elif not name.endswith(("self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")):
-            out[name] = x
-    return _common(out, cfg)
+    return _common(_join_convs(t, "self_attn"), cfg)
 
 
 def falcon_h1(tensors: dict, cfg: ModelConfig) -> dict:
@@ -197,23 +198,10 @@ def falcon_h1(tensors: dict, cfg: ModelConfig) -> dict:
 
 def olmo_hybrid(tensors: dict, cfg: ModelConfig) -> dict:
     """The released layout (as transformers also saves it): a GDN layer's pre-norms are attention_layer_norm and
-    feedforward_layer_norm, its short conv three tensors q_conv1d / k_conv1d / v_conv1d, joined here in that
-    order along the channels (transformers 5.24 saves them in three near-equal chunks, not split at the q / k / v
-    widths; joining gives the same weight either way)."""
+    feedforward_layer_norm, its short conv three tensors q_conv1d / k_conv1d / v_conv1d (joined)."""
     t = _rename(tensors, [(r"\.attention_layer_norm\.", ".input_layernorm."),
                           (r"\.feedforward_layer_norm\.", ".post_attention_layernorm.")])
-    out = {}
-    for name, x in t.items():
-        if name.endswith("linear_attn.q_conv1d.weight"):
-            parts = [t.get(name.replace("q_conv1d", c)) for c in ("q_conv1d", "k_conv1d", "v_conv1d")]
-            if any(x is None for x in parts):
-                from ..errors import WeightsError
-
-                raise WeightsError(f"{name}: the k_conv1d / v_conv1d tensors beside it are missing")
-            out[name.replace("q_conv1d", "conv1d")] = torch.cat(parts, dim=0)
-        elif not name.endswith(("linear_attn.k_conv1d.weight", "linear_attn.v_conv1d.weight")):
-            out[name] = x
-    return _common(out, cfg)
+    return _common(_join_convs(t, "linear_attn"), cfg)
 
 
 def transformer(tensors: dict, cfg: ModelConfig) -> dict:

@@ -42,11 +42,12 @@ class KimiMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, ops):
+    """full / linear: the mixers' constructors, (cfg, layer index, ops) -> mixer (Ling 3.0 passes its own)."""
+
+    def __init__(self, cfg: ModelConfig, i: int, ops, full=MultiHeadLatentAttention, linear=KimiDeltaAttention):
         super().__init__()
         p = cfg.params
-        self.self_attn = (MultiHeadLatentAttention(cfg, i, ops) if cfg.layer_types[i] == FULL
-                          else KimiDeltaAttention(cfg, i, ops))
+        self.self_attn = full(cfg, i, ops) if cfg.layer_types[i] == FULL else linear(cfg, i, ops)
         self.mlp = KimiMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
         self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -61,10 +62,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, full=MultiHeadLatentAttention, linear=KimiDeltaAttention):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, full, linear) for i in range(cfg.num_layers))
         self.norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
