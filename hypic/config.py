@@ -305,8 +305,8 @@ def _parse_minimax(hf):
 
 
 @dataclass(frozen=True)
-class NemotronHParams:
-    """Nemotron-H: single-mixer blocks (Mamba2 / NoPE attention / squared-ReLU MLP)."""
+class Mamba2Params:
+    """The Mamba2 mixer's fields (layers/mamba2.py reads them), shared by the families that have one."""
 
     mamba_num_heads: int
     mamba_head_dim: int
@@ -314,8 +314,15 @@ class NemotronHParams:
     n_groups: int
     conv_kernel: int
     use_conv_bias: bool
-    use_bias: bool
+    use_bias: bool                     # in_proj (and out_proj unless the family says otherwise)
     time_step_min: float
+    time_step_max: float               # dt = clamp(softplus(...), min, max); inf: no upper limit
+
+
+@dataclass(frozen=True)
+class NemotronHParams(Mamba2Params):
+    """Nemotron-H: single-mixer blocks (Mamba2 / NoPE attention / squared-ReLU MLP)."""
+
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -333,7 +340,7 @@ def _parse_nemotron_h(hf):
     params = NemotronHParams(
         mamba_num_heads=hf.mamba_num_heads, mamba_head_dim=hf.mamba_head_dim, ssm_state_size=hf.ssm_state_size,
         n_groups=hf.n_groups, conv_kernel=hf.conv_kernel, use_conv_bias=bool(hf.use_conv_bias),
-        use_bias=bool(hf.use_bias), time_step_min=float(hf.time_step_min),
+        use_bias=bool(hf.use_bias), time_step_min=float(hf.time_step_min), time_step_max=math.inf,
         num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
         head_dim=hf.head_dim, attention_bias=False, intermediate_size=hf.intermediate_size,
         mlp_bias=bool(hf.mlp_bias))
@@ -486,22 +493,13 @@ def _parse_lfm2(hf):
 
 
 @dataclass(frozen=True)
-class GraniteHybridParams:
+class GraniteHybridParams(Mamba2Params):
     """IBM Granite 4.0-H (`granitemoehybrid`): Mamba2 and attention layers (NoPE, or RoPE when
     `position_embedding_type` is "rope"), each followed by a shared SwiGLU MLP plus, when the config has
     experts, a softmax-over-top-k MoE; muP multipliers on the embeddings, the residual branches, the
     attention scores (in place of 1/sqrt(d)) and the logits. Field names of the Mamba2 part are those
-    layers/mamba2.py reads (shared with Nemotron-H)."""
+    layers/mamba2.py reads (Mamba2Params)."""
 
-    mamba_num_heads: int
-    mamba_head_dim: int
-    ssm_state_size: int
-    n_groups: int
-    conv_kernel: int
-    use_conv_bias: bool
-    use_bias: bool
-    time_step_min: float
-    time_step_max: float
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -578,21 +576,12 @@ def _parse_olmo_hybrid(hf):
 
 
 @dataclass(frozen=True)
-class FalconH1Params:
+class FalconH1Params(Mamba2Params):
     """Falcon-H1 (`falcon_h1`): every layer runs a Mamba2 mixer and RoPE attention side by side on the same normed
     input and adds both (PARALLEL layers), then a SwiGLU MLP; muP multipliers on the embeddings, the Mamba2 input and
     each part of its projection, the attention's input, keys and output, the MLP's gate and output, and the logits.
-    The Mamba2 field names are those layers/mamba2.py reads."""
+    The Mamba2 fields (Mamba2Params): use_bias is in_proj's (mamba_proj_bias), projectors_bias out_proj's."""
 
-    mamba_num_heads: int
-    mamba_head_dim: int
-    ssm_state_size: int
-    n_groups: int
-    conv_kernel: int
-    use_conv_bias: bool
-    use_bias: bool                     # in_proj (mamba_proj_bias)
-    time_step_min: float
-    time_step_max: float
     projectors_bias: bool              # the Mamba2 out_proj
     mamba_rms_norm: bool               # a grouped gated RMSNorm before out_proj (else y * silu(z))
     mamba_norm_before_gate: bool

@@ -11,6 +11,8 @@ the bounded KDA gate and full-rank queries; here the unbounded gate and low-rank
 Oracle: transformers' own classes with the same random weights; bounds as tests/test_oracle.py and
 tests/test_invariants.py (1e-4 on logits, fp32)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -26,6 +28,22 @@ def _engine(model, path, **kw):
     model.save_pretrained(path)
     Tokenizer.builtin_bytes().hf.save_pretrained(path)
     return LLM(str(path), **kw)
+
+
+def _same_engine_from(tmp_path, llm, tensors) -> Path:
+    """Writes `tensors` as a checkpoint beside the one in tmp_path/a (same config and tokenizer) at tmp_path/b and
+    checks that an engine on it gives `llm`'s logits bit for bit."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "b").mkdir(exist_ok=True)
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "b" / f).write_bytes((tmp_path / "a" / f).read_bytes())
+    save_file(tensors, str(tmp_path / "b" / "model.safetensors"))
+    ids = rand_ids(50, 8)
+    llm.set_policy("full")
+    other = LLM(str(tmp_path / "b"), cache_mode="full")
+    assert torch.equal(llm.next_token_logits(Prompt(query=ids)), other.next_token_logits(Prompt(query=ids)))
+    return tmp_path / "b"
 
 
 def _check_full(model, llm, n=70):
@@ -92,7 +110,7 @@ def test_granite_variants_match_transformers(tmp_path, variant):
 def test_granite_released_expert_names(tmp_path):
     """Granite 4.0-H checkpoints as released name the experts block_sparse_moe.{input_linear, output_linear,
     router.layer}: the same weights under those names give the same engine."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     model = hf_model("granitemoehybrid", seed=5)
     llm = _engine(model, tmp_path / "a")
@@ -103,15 +121,7 @@ def test_granite_released_expert_names(tmp_path):
         k = k.replace("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight")
         old[k.replace("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight")] = v
     assert any("input_linear" in k for k in old) and any("router.layer" in k for k in old)
-    (tmp_path / "b").mkdir()
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "b" / f).write_bytes((tmp_path / "a" / f).read_bytes())
-    save_file(old, str(tmp_path / "b" / "model.safetensors"))
-    llm_old = LLM(str(tmp_path / "b"))
-    ids = rand_ids(50, 8)
-    llm.set_policy("full")
-    llm_old.set_policy("full")
-    assert torch.equal(llm.next_token_logits(Prompt(query=ids)), llm_old.next_token_logits(Prompt(query=ids)))
+    _same_engine_from(tmp_path, llm, old)
 
 
 def test_granite_time_step_limit_clamps_dt(tmp_path):
@@ -167,14 +177,7 @@ def test_olmo_released_layout(tmp_path):
             real[k] = v
     assert any(k.endswith("attention_layer_norm.weight") for k in real)
     assert real["model.layers.0.linear_attn.v_conv1d.weight"].shape[0] == vd
-    (tmp_path / "b").mkdir()
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "b" / f).write_bytes((tmp_path / "a" / f).read_bytes())
-    save_file(real, str(tmp_path / "b" / "model.safetensors"))
-    ids = rand_ids(50, 8)
-    llm.set_policy("full")
-    llm_real = LLM(str(tmp_path / "b"), cache_mode="full")
-    assert torch.equal(llm.next_token_logits(Prompt(query=ids)), llm_real.next_token_logits(Prompt(query=ids)))
+    _same_engine_from(tmp_path, llm, real)
     del real["model.layers.0.linear_attn.k_conv1d.weight"]
     save_file(real, str(tmp_path / "b" / "model.safetensors"))
     with pytest.raises(WeightsError, match="k_conv1d"):
@@ -232,7 +235,7 @@ def test_ling_variants_match_transformers(tmp_path, variant):
 def test_ling_released_layout(tmp_path):
     """The same weights under the released names load to the same engine; an MTP layer after the last decoder
     layer is dropped."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     _ling()
     model = hf_model("bailing_hybrid", seed=7)
@@ -260,11 +263,4 @@ def test_ling_released_layout(tmp_path):
             rel[k] = v
     rel[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(4, 4)               # an MTP layer's tensor
     assert any(".attention.dense." in k for k in rel) and any(".attention.f_proj." in k for k in rel)
-    (tmp_path / "b").mkdir()
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "b" / f).write_bytes((tmp_path / "a" / f).read_bytes())
-    save_file(rel, str(tmp_path / "b" / "model.safetensors"))
-    ids = rand_ids(50, 8)
-    llm.set_policy("full")
-    llm_rel = LLM(str(tmp_path / "b"), cache_mode="full")
-    assert torch.equal(llm.next_token_logits(Prompt(query=ids)), llm_rel.next_token_logits(Prompt(query=ids)))
+    _same_engine_from(tmp_path, llm, rel)

@@ -50,7 +50,7 @@ class Mamba2Mixer(LinearMixer):
         self.inner = self.h * self.p_dim
         self.conv_width = p.conv_kernel
         self.dt_min = p.time_step_min
-        self.dt_max = getattr(p, "time_step_max", math.inf)
+        self.dt_max = p.time_step_max
         hs = cfg.hidden_size
         self.in_proj = nn.Linear(hs, self.inner + self.conv_dim + self.h, bias=p.use_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim,
@@ -89,3 +89,18 @@ class Mamba2Mixer(LinearMixer):
     def output(self, x, o, f):
         n = x.shape[0]
         return self.out_proj(self.norm(o.reshape(n, self.inner), f["z"]).to(x.dtype))
+
+
+def mamba2_dummy_init(name: str, p: torch.Tensor, generator) -> bool:
+    """Random weights of a Mamba2 layer as the reference inits them: A = -(1..H), D = 1, dt = softplus(dt_bias) in
+    [1e-3, 1e-1] (log-uniform); False for a parameter that is not one of these."""
+    if name.endswith("A_log"):
+        p.copy_(torch.arange(1, p.shape[0] + 1, dtype=p.dtype, device=p.device).log())
+    elif name.endswith(".D"):
+        p.fill_(1.0)
+    elif name.endswith("dt_bias"):
+        dt = torch.empty(p.shape, device=p.device).uniform_(-6.9078, -2.3026, generator=generator).exp()
+        p.copy_(dt + torch.log(-torch.expm1(-dt)))
+    else:
+        return False
+    return True

@@ -63,3 +63,20 @@ class SparseMoe(nn.Module):
             return y + torch.sigmoid(self.shared_expert_gate(x)) * se(x)
         gate, up, sg = self.shared_in(x)
         return y + torch.sigmoid(sg) * se.down_proj(F.silu(gate) * up)
+
+
+class TopKMoe(nn.Module):
+    """A softmax router and routed experts, no shared expert: `router.weight` [E, H], `experts.*`. renormalize: the
+    k chosen weights sum to one (softmax over the top-k logits: Granite 4.0-H), else they are the full softmax's
+    (Jamba)."""
+
+    def __init__(self, cfg: ModelConfig, ops, renormalize: bool):
+        super().__init__()
+        self.ops = ops
+        self.top_k, self.renormalize = cfg.params.num_experts_per_tok, renormalize
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x):
+        w, e = self.ops.route(x, self.router.weight, self.top_k, self.renormalize)
+        return self.ops.experts_forward(x, w, e, self.experts.gate_up_proj, self.experts.down_proj)

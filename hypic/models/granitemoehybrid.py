@@ -14,12 +14,12 @@ from torch import nn
 
 from ..config import LINEAR, ModelConfig
 from ..layers.attention import Attention
-from ..layers.mamba2 import Mamba2Mixer
-from ..layers.mlp import Experts, Router
+from ..layers.mamba2 import Mamba2Mixer, mamba2_dummy_init
+from ..layers.mlp import TopKMoe
 from ..layers.norm import ScaledRMSNorm
 from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM, uniform
+from .base import CausalLM
 
 
 class SharedMLP(nn.Module):
@@ -35,22 +35,6 @@ class SharedMLP(nn.Module):
         return self.output_linear(F.silu(gate) * up)
 
 
-class GraniteMoe(nn.Module):
-    """softmax over the top-k router logits equals the softmax over all of them renormalised over the k chosen
-    (ops.route with norm_topk), so the routing kernels are the other MoE families'."""
-
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        self.ops = ops
-        self.top_k = cfg.params.num_experts_per_tok
-        self.router = Router(cfg)
-        self.experts = Experts(cfg)
-
-    def forward(self, x):
-        w, e = self.ops.route(x, self.router.weight, self.top_k, True)
-        return self.ops.experts_forward(x, w, e, self.experts.gate_up_proj, self.experts.down_proj)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
@@ -61,7 +45,8 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(cfg, i, ops, rotary)
             self.self_attn.scale = p.attention_multiplier
         self.shared_mlp = SharedMLP(cfg.hidden_size, p.shared_intermediate_size)
-        self.block_sparse_moe = GraniteMoe(cfg, ops) if p.num_experts > 0 else None
+        # softmax over the top-k logits = the full softmax renormalised over the k chosen
+        self.block_sparse_moe = TopKMoe(cfg, ops, True) if p.num_experts > 0 else None
         self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = p.residual_multiplier
@@ -100,13 +85,4 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         return super().head(h, batch) / self.config.params.logits_scaling
 
     def dummy_init(self, name, p, generator) -> bool:
-        if name.endswith("A_log"):
-            p.copy_(torch.arange(1, p.shape[0] + 1, dtype=p.dtype, device=p.device).log())
-        elif name.endswith(".D"):
-            p.fill_(1.0)
-        elif name.endswith("dt_bias"):                     # inverse softplus of dt in [1e-3, 1e-1]
-            dt = uniform(p, -6.9078, -2.3026, generator).exp()
-            p.copy_(dt + torch.log(-torch.expm1(-dt)))
-        else:
-            return False
-        return True
+        return mamba2_dummy_init(name, p, generator)

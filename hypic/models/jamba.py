@@ -10,23 +10,10 @@ from torch import nn
 from ..config import FULL, ModelConfig
 from ..layers.attention import Attention
 from ..layers.mamba1 import Mamba1Mixer
-from ..layers.mlp import MLP, Experts, Router
+from ..layers.mlp import MLP, TopKMoe
 from ..layers.norm import ScaledRMSNorm
 from ..runtime.batch import ForwardBatch
 from .base import CausalLM
-
-
-class JambaMoe(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        self.ops = ops
-        self.top_k = cfg.params.num_experts_per_tok
-        self.router = Router(cfg)
-        self.experts = Experts(cfg)
-
-    def forward(self, x):
-        w, e = self.ops.route(x, self.router.weight, self.top_k, False)
-        return self.ops.experts_forward(x, w, e, self.experts.gate_up_proj, self.experts.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -37,7 +24,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(cfg, i, ops, None)
         else:
             self.mamba = Mamba1Mixer(cfg, i, ops)
-        self.feed_forward = JambaMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
+        self.feed_forward = TopKMoe(cfg, ops, False) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
         self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.pre_ff_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

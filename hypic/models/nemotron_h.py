@@ -10,10 +10,10 @@ from torch import nn
 
 from ..config import FULL, LINEAR, ModelConfig
 from ..layers.attention import Attention
-from ..layers.mamba2 import Mamba2Mixer
+from ..layers.mamba2 import Mamba2Mixer, mamba2_dummy_init
 from ..layers.norm import FP32ScaledRMSNorm
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM, uniform
+from .base import CausalLM
 
 
 class Relu2MLP(nn.Module):
@@ -61,13 +61,4 @@ class NemotronHForCausalLM(CausalLM):
         super().__init__(cfg, Backbone(cfg, ops))
 
     def dummy_init(self, name, p, generator) -> bool:
-        if name.endswith("A_log"):
-            p.copy_(torch.arange(1, p.shape[0] + 1, dtype=p.dtype, device=p.device).log())
-        elif name.endswith(".D"):
-            p.fill_(1.0)
-        elif name.endswith("dt_bias"):                     # inverse softplus of dt in [1e-3, 1e-1]
-            dt = uniform(p, -6.9078, -2.3026, generator).exp()
-            p.copy_(dt + torch.log(-torch.expm1(-dt)))
-        else:
-            return False
-        return True
+        return mamba2_dummy_init(name, p, generator)
