@@ -1,14 +1,17 @@
-"""LRU against cost-aware (GreedyDual-Size) eviction of the segment store, on a synthetic RAG trace at the size of
-Qwen3.5-35B-A3B's entries, side by side in one run (the store itself, hypic/cache/store.py MemoryStore; no model).
+"""LRU against cost-aware (GreedyDual-Size) eviction of the segment store, each with and without the "repeat"
+admission policy, on a synthetic RAG trace at the size of Qwen3.5-35B-A3B's entries, side by side in one run (the
+store and its doorkeeper themselves, hypic/cache/store.py MemoryStore and Doorkeeper; no model).
 
 A hybrid model's PIC entry has a fixed part (T and S of every linear layer: 30 x 4 MiB here, whatever the segment's
 length) and a part that grows with the length (K/V of the attention layers), while the prefill it saves grows with
 the length. So a short segment holds many bytes per unit of work saved, and a store that weighs work per byte keeps
 more of the work. The trace: D documents with log-normal lengths, Zipf popularity (independent of length), each
-request k distinct documents. Reported after a warm-up: the share of lookups that hit and the share of the prefill
-work (placement.segment_cost, FLOP-proportional) that hits saved, per store budget (a share of all documents' bytes).
+request k distinct documents, of which a share (--oneoff) are one-off documents no other request brings (a fresh
+search result, a user's upload). Reported after a warm-up: the share of lookups that hit and the share of the prefill
+work (placement.segment_cost, FLOP-proportional) that hits saved, per store budget (a share of the recurring
+documents' bytes). Admission "repeat" stores an entry from its second sighting (EngineConfig.admission).
 
-    python benchmarks/eviction_sim.py [--docs 2000] [--requests 12000] [--out benchmarks/results/eviction_sim.json]
+    python benchmarks/eviction_sim.py [--docs 2000] [--requests 12000] [--oneoff 0.0] [--out ...json]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hypic.cache.store import MemoryStore
+from hypic.cache.store import Doorkeeper, MemoryStore
 from hypic.config import ModelConfig
 from hypic.models.presets import preset_config
 from hypic.prefill.placement import segment_cost
@@ -51,15 +54,20 @@ def zipf_sampler(n: int, alpha: float, rng: random.Random):
     return lambda k: rng.choices(order, weights=weights, k=k)
 
 
-def simulate(policy: str, docs: list[Entry], trace: list[list[int]], budget: int, warmup: int, cost) -> dict:
-    store = MemoryStore(budget, cost=None if policy == "lru" else cost)
+POLICIES = ("lru", "cost", "lru+repeat", "cost+repeat")
+
+
+def simulate(policy: str, docs: list[Entry], trace: list[list[int]], budget: int, warmup: int, cost,
+             window: int) -> dict:
+    store = MemoryStore(budget, cost=None if policy.startswith("lru") else cost)
+    door = Doorkeeper(window) if policy.endswith("+repeat") else None
     hits = looks = 0
     saved = total = 0.0
     for r, req in enumerate(trace):
         for d in req:
             e = docs[d]
             got = store.get(d)
-            if got is None:
+            if got is None and (door is None or door.admit(d)):
                 store.put(d, e)
             if r >= warmup:
                 looks += 1
@@ -83,6 +91,8 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=0.9, help="Zipf exponent of popularity")
     ap.add_argument("--seam", type=int, default=8)
     ap.add_argument("--budgets", default="0.05,0.1,0.2,0.4", help="store budgets, shares of all documents' bytes")
+    ap.add_argument("--oneoff", type=float, default=0.0, help="share of each request's documents seen only once")
+    ap.add_argument("--window", type=int, default=65536, help="the doorkeeper's memory (EngineConfig.admission_window)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/eviction_sim.json")
     a = ap.parse_args()
@@ -91,10 +101,16 @@ def main() -> None:
     lens = [min(8000, max(a.seam + 8, int(rng.lognormvariate(0.0, a.sigma) * a.median_len))) for _ in range(a.docs)]
     docs = [Entry(n, entry_bytes(cfg, n, a.seam)) for n in lens]
     draw = zipf_sampler(a.docs, a.alpha, rng)
+    recurring_bytes = sum(d.nbytes for d in docs)
     trace = []
     for _ in range(a.requests):
         req = []
         while len(req) < a.k:
+            if a.oneoff and rng.random() < a.oneoff:     # a document no other request brings
+                n = min(8000, max(a.seam + 8, int(rng.lognormvariate(0.0, a.sigma) * a.median_len)))
+                docs.append(Entry(n, entry_bytes(cfg, n, a.seam)))
+                req.append(len(docs) - 1)
+                continue
             d = draw(1)[0]
             if d not in req:
                 req.append(d)
@@ -103,23 +119,25 @@ def main() -> None:
     def cost(e):
         return segment_cost(e.origin + e.length, cfg)
 
-    all_bytes = sum(d.nbytes for d in docs)
+    all_bytes = recurring_bytes
     rows = []
     t0 = time.perf_counter()
     for share in (float(x) for x in a.budgets.split(",")):
         budget = int(share * all_bytes)
-        res = {p: simulate(p, docs, trace, budget, a.warmup, cost) for p in ("lru", "cost")}
+        res = {p: simulate(p, docs, trace, budget, a.warmup, cost, a.window) for p in POLICIES}
         rows.append({"budget_share": share, "budget_gib": budget / 2 ** 30, **res})
     fixed = entry_bytes(cfg, a.seam, a.seam)
     print(f"{a.model}: an entry holds {fixed / 2 ** 20:.0f} MiB of linear-layer state whatever its length, plus "
           f"{entry_bytes(cfg, 1000 + a.seam, a.seam) / 2 ** 20 - fixed / 2 ** 20:.0f} MiB of K/V per 1,000 tokens")
-    print(f"{a.docs} documents (median {a.median_len:.0f} tokens, log-normal sigma {a.sigma}; "
-          f"{all_bytes / 2 ** 30:.0f} GiB of entries), Zipf {a.alpha}, {a.requests} requests x {a.k} documents, "
-          f"the first {a.warmup} not counted")
-    print(f"{'budget':>8}{'GiB':>8}{'hits lru':>10}{'hits cost':>11}{'work saved lru':>16}{'work saved cost':>17}")
+    print(f"{a.docs} recurring documents (median {a.median_len:.0f} tokens, log-normal sigma {a.sigma}; "
+          f"{all_bytes / 2 ** 30:.0f} GiB of entries), Zipf {a.alpha}, {a.requests} requests x {a.k} documents "
+          f"({a.oneoff:.0%} one-off: {len(docs) - a.docs} of them), the first {a.warmup} not counted")
+    print(f"{'budget':>8}{'GiB':>8}" + "".join(f"{'hits ' + p:>18}" for p in POLICIES)
+          + "".join(f"{'saved ' + p:>19}" for p in POLICIES))
     for r in rows:
-        print(f"{r['budget_share']:>7.0%}{r['budget_gib']:>8.0f}{r['lru']['hit_ratio']:>10.1%}"
-              f"{r['cost']['hit_ratio']:>11.1%}{r['lru']['work_saved']:>16.1%}{r['cost']['work_saved']:>17.1%}")
+        print(f"{r['budget_share']:>7.0%}{r['budget_gib']:>8.0f}"
+              + "".join(f"{r[p]['hit_ratio']:>18.1%}" for p in POLICIES)
+              + "".join(f"{r[p]['work_saved']:>19.1%}" for p in POLICIES))
     print(f"({time.perf_counter() - t0:.0f} s)")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -174,3 +174,24 @@ class MemoryStore:
     def __len__(self) -> int:
         with self._lock:
             return len(self._data)
+
+
+class Doorkeeper:
+    """Admission "repeat" (EngineConfig.admission): a key is admitted from its second sighting among the last
+    `window` distinct keys seen once (oldest forgotten first), so a one-off segment is never stored. Thread safe."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self._seen: OrderedDict[Hashable, bool] = OrderedDict()
+        self._lock = threading.Lock()
+        self.deferred = 0                  # sightings not admitted
+
+    def admit(self, key: Hashable) -> bool:
+        with self._lock:
+            if self._seen.pop(key, None) is not None:
+                return True
+            self._seen[key] = True
+            if len(self._seen) > self.window:
+                self._seen.popitem(last=False)
+            self.deferred += 1
+            return False

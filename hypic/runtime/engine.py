@@ -17,6 +17,7 @@ import torch
 
 from ..cache.entry import PrefixNode
 from ..cache.prefix import PrefixCache
+from ..cache.store import Doorkeeper
 from ..cache.tiers import TieredStore
 from ..config import CacheMode, CachePolicy, EngineConfig
 from ..plan.planner import Planner, PrefillPlan
@@ -65,7 +66,7 @@ class Engine:
                                     config.disk_cache_dir or None, config.disk_cache_bytes, cost=cost)
         self.prefix = PrefixCache(config.prefix_cache_bytes, loaded.fingerprint)
         self.planner = Planner(loaded.fingerprint, self.segments, self.prefix)
-        self._seen: OrderedDict = OrderedDict()     # admission "repeat": key ids sighted once, oldest first
+        self.door = Doorkeeper(config.admission_window) if config.admission == "repeat" else None
         self._versions: OrderedDict = OrderedDict()  # (namespace, doc_id) -> the version last requested
         self.store_counts = {"admission_deferred": 0, "invalidated": 0}
         tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
@@ -125,13 +126,8 @@ class Engine:
 
     def _admit(self, key) -> bool:
         """Admission "repeat": a key is stored from its second sighting among the last admission_window keys."""
-        if self.config.admission == "always":
+        if self.door is None or self.door.admit(key.id):
             return True
-        if self._seen.pop(key.id, None) is not None:
-            return True
-        self._seen[key.id] = True
-        if len(self._seen) > self.config.admission_window:
-            self._seen.popitem(last=False)
         self.store_counts["admission_deferred"] += 1
         return False
 
