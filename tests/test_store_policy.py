@@ -134,9 +134,16 @@ def test_server_tags_segments_and_invalidates():
         assert r.status_code == 400 and "doc_id" in r.text
         r = client.post("/v1/completions", json=dict(body, segments=[{"text": "t", "doc": "typo"}]))
         assert r.status_code in (400, 422)
+        chat = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a document sent in a chat message", "segment": True, "doc_id": "c", "version": "1"},
+            {"type": "text", "text": "What does it say?"}]}]}
+        r = client.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        assert ("c", "1") in _keys(llm)
+        assert client.post("/admin/invalidate", json={"doc_id": "c"}).json() == {"invalidated": 1}
         assert client.post("/admin/invalidate", json={}).status_code == 400
         r = client.post("/admin/invalidate", json={"doc_id": "k"})
         assert r.status_code == 200 and r.json() == {"invalidated": 1}
         assert _keys(llm) == [("", "")]
         metrics = client.get("/metrics").text
-        assert "hypic_store_invalidated_total 1.0" in metrics
+        assert "hypic_store_invalidated_total 2.0" in metrics
