@@ -8,9 +8,8 @@ The caches (segment store, prefix cache) live here; only this module mutates the
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
