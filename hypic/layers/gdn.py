@@ -33,21 +33,26 @@ class GatedDeltaNet(LinearMixer):
         self.dk, self.dv = p.linear_key_head_dim, p.linear_value_head_dim
         self.key_dim, self.value_dim = self.h * self.dk, self.hv * self.dv
         self.conv_width = p.linear_conv_kernel_dim
+        self.projections(cfg, ops)
+
+    def recurrence_params(self) -> None:
+        """The short conv, dt_bias and A_log (the same in every GDN family)."""
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False,
                                 padding=self.conv_width - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
-        self.projections(cfg, ops)
 
     def projections(self, cfg: ModelConfig, ops) -> None:
-        """The input and output projections and the output norm, under the checkpoint's names (Qwen3.5's here;
-        features and output use them)."""
+        """Every parameter, under the checkpoint's names (Qwen3.5's here; features and output use them), with
+        recurrence_params in between. The order is the parameters' order: dummy weights are drawn in it, so it
+        stays what it was (a preset's random weights, and the disk entries made from them, do not change)."""
         hs = cfg.hidden_size
         self.in_proj_qkv = nn.Linear(hs, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hs, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hs, self.hv, bias=False)
         self.in_proj_a = nn.Linear(hs, self.hv, bias=False)
         self._ab = JoinedWeights()
+        self.recurrence_params()
         self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, ops)
         self.out_proj = nn.Linear(self.value_dim, hs, bias=False)
 

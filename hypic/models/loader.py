@@ -42,7 +42,7 @@ def load_model(source: str, engine: EngineConfig) -> LoadedModel:
             raise ConfigError(f"preset {source!r} has no weight files; use load_format='dummy' or 'auto'")
         model = _build(cfg, engine)
         model.init_dummy(_generator(engine))
-        fp = _fingerprint(cfg, f"preset:{source}:seed={engine.seed}", engine.dtype)
+        fp = _fingerprint(cfg, f"preset:{source}:seed={engine.seed}:{_draw_order(model)}", engine.dtype)
         return LoadedModel(cfg, model, tok, fp, source)
     if not path.is_dir():
         raise ConfigError(f"model {source!r} is neither a preset ({sorted(presets.PRESETS)}) nor a directory")
@@ -51,7 +51,7 @@ def load_model(source: str, engine: EngineConfig) -> LoadedModel:
     model = _build(cfg, engine)
     if engine.load_format == "dummy":
         model.init_dummy(_generator(engine))
-        ident = f"dummy:seed={engine.seed}"
+        ident = f"dummy:seed={engine.seed}:{_draw_order(model)}"
     else:
         files = _weight_files(path)
         load_safetensors(model, cfg, files)
@@ -94,6 +94,14 @@ def from_tensors(cfg: ModelConfig, tensors: dict, engine: EngineConfig, ident: s
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return LoadedModel(cfg, model.eval(), None, _fingerprint(cfg, ident, engine.dtype), ident)
+
+
+def _draw_order(model: torch.nn.Module) -> str:
+    """Dummy weights are drawn from one generator in the parameters' order: a digest of that order (names and
+    shapes), so code that reorders or reshapes parameters changes the fingerprint, and a disk tier written by an
+    earlier version with other random weights misses instead of serving their states."""
+    names = "|".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
+    return hashlib.sha256(names.encode()).hexdigest()[:16]
 
 
 def _fingerprint(cfg: ModelConfig, ident: str, dtype: str) -> str:

@@ -38,6 +38,7 @@ class OlmoGatedDeltaNet(GatedDeltaNet):
         self.a_proj = nn.Linear(hs, self.hv, bias=False)
         self.b_proj = nn.Linear(hs, self.hv, bias=False)
         self.g_proj = nn.Linear(hs, self.value_dim, bias=False)
+        self.recurrence_params()
         self.o_proj = nn.Linear(self.value_dim, hs, bias=False)
         self.o_norm = RMSNormGated(self.dv, O_NORM_EPS, ops)
         self.beta_scale = 2.0 if cfg.params.allow_neg_eigval else 1.0
