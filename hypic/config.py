@@ -492,6 +492,14 @@ def _parse_lfm2(hf):
     return _layer_types(hf, {"conv": LINEAR}), params
 
 
+def _bamba_mamba2(hf) -> dict:
+    """Mamba2Params from the `mamba_*` / `time_step_limit` names Granite 4.0-H and Falcon-H1 share (Bamba's)."""
+    lo, hi = tuple(hf.time_step_limit) if hf.time_step_limit is not None else (0.0, math.inf)
+    return dict(mamba_num_heads=hf.mamba_n_heads, mamba_head_dim=hf.mamba_d_head, ssm_state_size=hf.mamba_d_state,
+                n_groups=hf.mamba_n_groups, conv_kernel=hf.mamba_d_conv, use_conv_bias=bool(hf.mamba_conv_bias),
+                use_bias=bool(hf.mamba_proj_bias), time_step_min=float(lo), time_step_max=float(hi))
+
+
 @dataclass(frozen=True)
 class GraniteHybridParams(Mamba2Params):
     """IBM Granite 4.0-H (`granitemoehybrid`): Mamba2 and attention layers (NoPE, or RoPE when
@@ -521,12 +529,8 @@ def _parse_granitemoehybrid(hf):
     pe = getattr(hf, "position_embedding_type", None)
     if pe not in (None, "nope", "rope"):
         raise UnsupportedArchitectureError(f"granitemoehybrid with position_embedding_type={pe!r}")
-    lo, hi = tuple(hf.time_step_limit) if hf.time_step_limit is not None else (0.0, math.inf)
     params = GraniteHybridParams(
-        mamba_num_heads=hf.mamba_n_heads, mamba_head_dim=hf.mamba_d_head, ssm_state_size=hf.mamba_d_state,
-        n_groups=hf.mamba_n_groups, conv_kernel=hf.mamba_d_conv, use_conv_bias=bool(hf.mamba_conv_bias),
-        use_bias=bool(hf.mamba_proj_bias), time_step_min=float(lo), time_step_max=float(hi),
-        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        **_bamba_mamba2(hf), num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         attention_bias=bool(hf.attention_bias), rope_parameters=_rope(hf) if pe == "rope" else (),
         shared_intermediate_size=hf.shared_intermediate_size,
@@ -606,12 +610,8 @@ class FalconH1Params(Mamba2Params):
 def _parse_falcon_h1(hf):
     if hf.hidden_act != "silu":
         raise UnsupportedArchitectureError(f"falcon_h1 with hidden_act={hf.hidden_act!r} (only silu)")
-    lo, hi = tuple(hf.time_step_limit) if hf.time_step_limit is not None else (0.0, math.inf)
     params = FalconH1Params(
-        mamba_num_heads=hf.mamba_n_heads, mamba_head_dim=hf.mamba_d_head, ssm_state_size=hf.mamba_d_state,
-        n_groups=hf.mamba_n_groups, conv_kernel=hf.mamba_d_conv, use_conv_bias=bool(hf.mamba_conv_bias),
-        use_bias=bool(hf.mamba_proj_bias), time_step_min=float(lo), time_step_max=float(hi),
-        projectors_bias=bool(hf.projectors_bias), mamba_rms_norm=bool(hf.mamba_rms_norm),
+        **_bamba_mamba2(hf), projectors_bias=bool(hf.projectors_bias), mamba_rms_norm=bool(hf.mamba_rms_norm),
         mamba_norm_before_gate=bool(hf.mamba_norm_before_gate), ssm_in_multiplier=float(hf.ssm_in_multiplier),
         ssm_multipliers=tuple(float(m) for m in hf.ssm_multipliers), ssm_out_multiplier=float(hf.ssm_out_multiplier),
         num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,

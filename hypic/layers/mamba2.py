@@ -13,8 +13,6 @@ Output: out_proj(grouped RMSNorm(y * silu(z))).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,10 +67,13 @@ class Mamba2Mixer(LinearMixer):
     def conv_dim(self) -> int:
         return self.inner + 2 * self.groups * self.n
 
+    def in_projection(self, x):
+        """[z | xBC | dt] of x (a family with muP multipliers scales them here: models/falcon_h1.py)."""
+        return self.in_proj(x)
+
     def features(self, x, batch):
-        z, raw, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.h], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())                                # [N, H] fp32
-        dt = dt.clamp(min=self.dt_min) if self.dt_max == math.inf else dt.clamp(self.dt_min, self.dt_max)
+        z, raw, dt = self.in_projection(x).split([self.inner, self.conv_dim, self.h], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)   # [N, H] fp32
         return {"raw": raw, "z": z, "dt": dt, "g": dt * -self.A_log.float().exp()}
 
     def kernel(self, f, conv_out, idx, init, cu, summarize):

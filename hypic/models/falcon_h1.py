@@ -67,13 +67,9 @@ class FalconMamba2(Mamba2Mixer):
                                         for n, m in self._mup_parts])
         return self._mup[key]
 
-    def features(self, x, batch):
+    def in_projection(self, x):
         zxbcdt = self.in_proj(x * self.ssm_in)
-        zxbcdt = zxbcdt * self.mup_vector(zxbcdt)
-        z, raw, dt = zxbcdt.split([self.inner, self.conv_dim, self.h], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        dt = dt.clamp(min=self.dt_min) if self.dt_max == float("inf") else dt.clamp(self.dt_min, self.dt_max)
-        return {"raw": raw, "z": z, "dt": dt, "g": dt * -self.A_log.float().exp()}
+        return zxbcdt * self.mup_vector(zxbcdt)
 
     def output(self, x, o, f):
         o = o.reshape(x.shape[0], self.inner)

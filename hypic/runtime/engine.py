@@ -67,7 +67,7 @@ class Engine:
         self.planner = Planner(loaded.fingerprint, self.segments, self.prefix)
         self.door = Doorkeeper(config.admission_window) if config.admission == "repeat" else None
         self._versions: OrderedDict = OrderedDict()  # (namespace, doc_id) -> the version last requested
-        self.store_counts = {"admission_deferred": 0, "invalidated": 0}
+        self._invalidated = 0
         tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(tok.eos_token_ids if tok else ())
         mode = config.decode_mode
@@ -120,15 +120,13 @@ class Engine:
             self.prefix.drop_namespace(namespace)
         if self.composer is not None:                # its buffers may hold copies of the entries
             self.composer.clear()
-        self.store_counts["invalidated"] += n
+        self._invalidated += n
         return n
 
-    def _admit(self, key) -> bool:
-        """Admission "repeat": a key is stored from its second sighting among the last admission_window keys."""
-        if self.door is None or self.door.admit(key.id):
-            return True
-        self.store_counts["admission_deferred"] += 1
-        return False
+    @property
+    def store_counts(self) -> dict:
+        """Entries deleted by invalidation, and cold entries the admission policy did not store."""
+        return {"invalidated": self._invalidated, "admission_deferred": self.door.deferred if self.door else 0}
 
     # -- stage 2: cold prefill (prefix spans of PIC requests, cold segments) -----------------------
     def _cold_prefixes(self, plans: list[PrefillPlan]) -> None:
@@ -175,7 +173,7 @@ class Engine:
             made = local(range(len(slots)))
         entries = dict(zip(distinct, made))
         for key, entry in entries.items():
-            if self._admit(key):
+            if self.door is None or self.door.admit(key.id):     # admission "repeat": from the second sighting
                 self.segments.put(key, entry)
         for p in plans:
             for slot in p.cold_slots:
