@@ -627,6 +627,80 @@ def _parse_falcon_h1(hf):
 
 
 @dataclass(frozen=True)
+class BambaParams(Mamba2Params):
+    """IBM Bamba (`bamba`): Mamba2 layers and GQA attention layers with RoPE on the first half of each head's dims
+    (transformers fixes partial_rotary_factor at 0.5), each followed by a SwiGLU MLP; pre-norms, a final norm."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    attention_bias: bool
+    rope_parameters: tuple
+    intermediate_size: int
+    mlp_bias: bool
+
+
+def _parse_bamba(hf):
+    if hf.hidden_act != "silu":
+        raise UnsupportedArchitectureError(f"bamba with hidden_act={hf.hidden_act!r} (only silu)")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    rope = dict(_rope(hf))
+    params = BambaParams(
+        **_bamba_mamba2(hf), num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=head_dim, rotary_dim=int(head_dim * float(rope.get("partial_rotary_factor", 1.0))),
+        attention_bias=bool(hf.attention_bias), rope_parameters=_rope(hf), intermediate_size=hf.intermediate_size,
+        mlp_bias=bool(hf.mlp_bias))
+    return _layer_types(hf, {"mamba": LINEAR, "attention": FULL}, attr="layers_block_type"), params
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
+
+
+@dataclass(frozen=True)
+class Zamba2Params(Mamba2Params):
+    """Zyphra Zamba2 (`zamba2`): Mamba2 layers, and "hybrid" layers that first run a transformer block shared across
+    layers (`num_mem_blocks` distinct blocks, used in turn) on [hidden | the token embeddings], each use with its own
+    low-rank adapters on q / k / v (when `use_shared_attention_adapter`) and on the MLP's gate/up projection, then
+    a per-layer linear map whose output is added to the Mamba2 mixer's input (not to the residual). Attention: width
+    2 * hidden_size, head_dim = 2 * hidden_size / heads, scores scaled by (head_dim / 2) ** -0.5, RoPE when
+    `use_mem_rope`. A hybrid layer has two stateful mixers: the Mamba2 one under the layer's index i, the
+    attention under num_layers + i (its keys are its own: the shared weights see that layer's input)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_parameters: tuple             # () without use_mem_rope
+    intermediate_size: int
+    hidden_act: str
+    num_mem_blocks: int
+    attention_adapters: bool           # use_shared_attention_adapter
+    adapter_rank: int
+    hybrid_layer_ids: tuple[int, ...]
+
+
+def _parse_zamba2(hf):
+    if hf.hidden_act not in ACTIVATIONS:
+        raise UnsupportedArchitectureError(f"zamba2 with hidden_act={hf.hidden_act!r} (one of {ACTIVATIONS})")
+    if hf.use_shared_attention_adapter and hf.num_key_value_heads != hf.num_attention_heads:
+        raise UnsupportedArchitectureError("zamba2 attention adapters with num_key_value_heads != num_attention_heads "
+                                           "(transformers' adapters emit the query width for keys and values too)")
+    inner = int(hf.mamba_expand * hf.hidden_size)
+    params = Zamba2Params(
+        mamba_num_heads=hf.n_mamba_heads, mamba_head_dim=inner // hf.n_mamba_heads, ssm_state_size=hf.mamba_d_state,
+        n_groups=hf.mamba_ngroups, conv_kernel=hf.mamba_d_conv, use_conv_bias=bool(hf.use_conv_bias),
+        use_bias=bool(hf.add_bias_linear), time_step_min=float(hf.time_step_min), time_step_max=math.inf,
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.attention_head_dim, rope_parameters=_rope(hf) if hf.use_mem_rope else (),
+        intermediate_size=hf.intermediate_size, hidden_act=hf.hidden_act, num_mem_blocks=int(hf.num_mem_blocks),
+        attention_adapters=bool(hf.use_shared_attention_adapter), adapter_rank=int(hf.adapter_rank),
+        hybrid_layer_ids=tuple(hf.hybrid_layer_ids))
+    if inner % hf.n_mamba_heads:
+        raise ConfigError("zamba2: n_mamba_heads must divide mamba_expand * hidden_size")
+    return _layer_types(hf, {"mamba": LINEAR, "hybrid": PARALLEL}, attr="layers_block_type"), params
+
+
+@dataclass(frozen=True)
 class TransformerParams:
     """Plain decoder-only transformers (Llama, Qwen2): every layer is full attention with RoPE,
     SwiGLU MLP, plain RMSNorm. A hybrid with no linear layers: PIC reduces to per-segment
@@ -689,6 +763,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "olmo_hybrid": ArchSpec("olmo_hybrid", "olmo_hybrid", _parse_olmo_hybrid),
     "falcon_h1": ArchSpec("falcon_h1", "falcon_h1", _parse_falcon_h1),
     "bailing_hybrid": ArchSpec("bailing_hybrid", "bailing_hybrid", _parse_bailing_hybrid),
+    "bamba": ArchSpec("bamba", "bamba", _parse_bamba),
+    "zamba2": ArchSpec("zamba2", "zamba2", _parse_zamba2),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),
@@ -696,7 +772,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
-    "zamba2": "Mamba2 with shared attention blocks and LoRA adapters; not implemented yet",
     "zamba": "Mamba1 with a shared attention block; not implemented yet",
     "recurrent_gemma": "RG-LRU + local (sliding-window) attention: a windowed KV is not position independent",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",

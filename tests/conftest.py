@@ -40,6 +40,8 @@ ARCHS = {
     "olmo_hybrid": ("tiny-olmo-hybrid", "OlmoHybridForCausalLM"),
     "falcon_h1": ("tiny-falcon-h1", "FalconH1ForCausalLM"),
     "bailing_hybrid": ("tiny-ling-3.0", "BailingHybridForCausalLM"),
+    "bamba": ("tiny-bamba", "BambaForCausalLM"),
+    "zamba2": ("tiny-zamba2", "Zamba2ForCausalLM"),
     "llama": ("tiny-llama", "LlamaForCausalLM"),
     "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }
@@ -93,6 +95,8 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) * 0.1)
             elif name.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight", "conv.in_proj.weight")):
                 p.mul_(5.0)                        # Mamba's x, B, C (and LFM2's B, C, x) at O(1)
+            elif "adapter_list" in name:          # Zamba2's per-layer adapters: as large as the shared weights
+                p.mul_(8.0)
             elif arch in ("llama", "qwen2") and name.endswith("bias"):   # zero at init: make them count
                 p.copy_(torch.randn_like(p) * 0.1)
     return model

@@ -264,3 +264,92 @@ def test_ling_released_layout(tmp_path):
     rel[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(4, 4)               # an MTP layer's tensor
     assert any(".attention.dense." in k for k in rel) and any(".attention.f_proj." in k for k in rel)
     _same_engine_from(tmp_path, llm, rel)
+
+
+# -- Zamba2: shared transformer blocks with per-layer adapters ---------------------------------------------------------
+@pytest.mark.parametrize("variant", ["no-adapters-gqa", "nope", "one-block", "silu-bias", "groups2"])
+def test_zamba2_variants_match_transformers(tmp_path, variant):
+    """The preset has two blocks in turn, q / k / v adapters, RoPE and GELU; here no attention adapters (with GQA,
+    which adapters rule out), NoPE (`use_mem_rope` off: cached keys are used as they are), one block serving every
+    hybrid layer, SiLU with biases on the Mamba2 and MLP projections (`add_bias_linear`), and two Mamba2 groups
+    (Zamba2 normalises per group in transformers 5.17 and 5.24 alike)."""
+    over = {"no-adapters-gqa": dict(use_shared_attention_adapter=False, num_key_value_heads=2),
+            "nope": dict(use_mem_rope=False), "one-block": dict(num_mem_blocks=1),
+            "silu-bias": dict(hidden_act="silu", add_bias_linear=True), "groups2": dict(mamba_ngroups=2)}[variant]
+    model = hf_model("zamba2", seed=4, **over)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    attn = llm.engine.model.model.layers[1].attn
+    assert attn.places_keys() == (variant != "nope")
+    _check_full(model, llm)
+    _pic_checks(llm)
+
+
+def test_zamba2_shared_blocks_and_entries(tmp_path):
+    """A block is one set of weights however many layers use it (named once, as transformers saves it), each
+    hybrid layer's attention has its own mixer id (num_layers + i) beside its Mamba2 mixer (i), and a cached segment
+    holds both for a hybrid layer, the Mamba2 summary alone for the others."""
+    from hypic.cache.entry import AttnKV, LinearSummary
+
+    model = hf_model("zamba2", seed=2)
+    llm = _engine(model, tmp_path / "a", cache_mode="pic", seam=8)
+    layers = llm.engine.model.model.layers
+    n, hybrid = len(layers), (1, 3, 5)
+    assert layers[1].shared_transformer is layers[5].shared_transformer is not layers[3].shared_transformer
+    ours = sum(p.numel() for p in llm.engine.model.parameters())
+    assert ours == sum(p.numel() for p in model.parameters())          # both count each shared tensor once
+    assert sorted(llm.engine.model.mixers) == sorted(list(range(n)) + [n + i for i in hybrid])
+    seg = rand_ids(60, 4)
+    llm.next_token_logits(Prompt(prefix=rand_ids(5, 1), segments=[seg], query=rand_ids(4, 2)))
+    (entry,) = list(llm.engine.segments.values())
+    assert sorted(entry.layers) == sorted(llm.engine.model.mixers)
+    for i in range(n):
+        assert isinstance(entry.layers[i], LinearSummary)
+    for i in hybrid:
+        assert isinstance(entry.layers[n + i], AttnKV) and entry.layers[n + i].k.shape[0] == 60 - 8
+
+
+def test_zamba2_checkpoint_with_untied_copies(tmp_path):
+    """A checkpoint that stores a shared block again under every layer using it loads to the same engine; a copy that
+    differs from the block it should repeat is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from hypic.errors import WeightsError
+
+    model = hf_model("zamba2", seed=3)
+    llm = _engine(model, tmp_path / "a", cache_mode="full")
+    real = load_file(str(tmp_path / "a" / "model.safetensors"))
+    copies = {k.replace("layers.1.", "layers.5."): v.clone() for k, v in real.items()
+              if k.startswith("model.layers.1.shared_transformer.")}
+    assert copies
+    _same_engine_from(tmp_path, llm, {**real, **copies})
+    key = "model.layers.5.shared_transformer.self_attn.q_proj.weight"
+    copies[key] = copies[key] + 1.0
+    save_file({**real, **copies}, str(tmp_path / "b" / "model.safetensors"))
+    with pytest.raises(WeightsError, match="shared block"):
+        LLM(str(tmp_path / "b"))
+
+
+# -- Bamba ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["biases", "wide-heads", "groups2"])
+def test_bamba_variants_match_transformers(tmp_path, variant):
+    """The preset has no biases and RoPE on half of each head (transformers fixes partial_rotary_factor at 0.5 for
+    Bamba); here biases on attention, MLP and Mamba2 projections, a wider head with its half rotated, and two Mamba2
+    groups (normalised per group from transformers 5.24 on, as mamba_ssm does; 5.17 normalises the whole width)."""
+    import inspect
+
+    from transformers.models.bamba import modeling_bamba
+
+    if variant == "groups2" and "group_size" not in inspect.signature(modeling_bamba.BambaRMSNormGated).parameters:
+        pytest.skip("this transformers normalises Bamba's Mamba2 output over all groups at once")
+    over = {"biases": dict(attention_bias=True, mlp_bias=True, mamba_proj_bias=True),
+            "wide-heads": dict(num_attention_heads=2, num_key_value_heads=1), "groups2": dict(mamba_n_groups=2)}[variant]
+    model = hf_model("bamba", seed=4, **over)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and "conv1d" not in name and "dt_bias" not in name:
+                p.copy_(torch.randn_like(p) * 0.1)                     # zero at init: make them count
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    attn = llm.engine.model.model.layers[2].self_attn
+    assert attn.rotary[0].rotary_dim == attn.hd // 2
+    _check_full(model, llm)
+    _pic_checks(llm)

@@ -111,8 +111,8 @@ def test_unsupported_layer_type_names_the_type(arch, field, value, name):
 
 
 def test_unsupported_hybrid_says_why(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "zamba2"}))
-    with pytest.raises(UnsupportedArchitectureError, match="zamba2.*shared attention"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "recurrent_gemma"}))
+    with pytest.raises(UnsupportedArchitectureError, match="recurrent_gemma.*not position independent"):
         LLM(str(tmp_path))
 
 

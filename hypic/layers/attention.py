@@ -228,8 +228,12 @@ class AttentionMixer(nn.Module):
                 out = o.new_empty((n,) + tuple(o.shape[1:]))
             out[sl] = o
         if out is None:                                   # no active tokens
-            return torch.zeros_like(x)
+            return self.no_tokens(x)
         return self.output(x, out, extra)
+
+    def no_tokens(self, x):
+        """The output of a forward with no active token (zeros of the layer's output width)."""
+        return torch.zeros_like(x)
 
     def attend(self, q, k, v, q_pos, k_pos, contiguous: bool = False):
         """contiguous: k, v are in position order at consecutive positions and end with q's own tokens (a

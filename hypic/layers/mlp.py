@@ -10,6 +10,16 @@ from ..config import ModelConfig
 from .joined import JoinedWeights
 
 
+def activation(name: str):
+    """The elementwise activation a config names (transformers' ACT2FN names, the ones hybrids use)."""
+    fns = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+           "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+           "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+    if name not in fns:
+        raise ValueError(f"unknown activation {name!r}; known: {sorted(fns)}")
+    return fns[name]
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()

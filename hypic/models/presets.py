@@ -133,6 +133,28 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=256,
         bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # Bamba: Mamba2 with attention (RoPE on half of each head's dims) at layers 2 and 5, a SwiGLU MLP after each.
+    "tiny-bamba": dict(
+        model_type="bamba", vocab_size=320, hidden_size=64, num_hidden_layers=6, attn_layer_indices=[2, 5],
+        mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=16, mamba_conv_bias=True, mamba_proj_bias=False, num_attention_heads=4,
+        num_key_value_heads=2, attention_bias=False, mlp_bias=False, intermediate_size=128, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=65536,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=256, bos_token_id=None, pad_token_id=None,
+        initializer_range=0.02,
+    ),
+    # Zamba2: Mamba2 layers and three hybrid layers served by two shared blocks in turn (per-layer adapters on q / k /
+    # v and the MLP), RoPE in the shared attention, GELU MLP, tied embeddings.
+    "tiny-zamba2": dict(
+        model_type="zamba2", vocab_size=320, hidden_size=64, num_hidden_layers=6,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=16,
+        mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=8, chunk_size=16, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=128, hidden_act="gelu", num_mem_blocks=2,
+        use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=65536,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None,
+        initializer_range=0.02,
+    ),
     # Plain transformers (no linear layer): SmolLM2's layout (tied, no biases) and Qwen2's (q/k/v biases).
     "tiny-llama": dict(
         model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
