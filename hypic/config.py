@@ -701,6 +701,57 @@ def _parse_zamba2(hf):
 
 
 @dataclass(frozen=True)
+class ZambaParams:
+    """Zyphra Zamba (`zamba`): multi-head Mamba1 layers (per-head x_proj / dt_proj, interleaved (x, z) in_proj), and
+    hybrid layers that first run one transformer block shared by all of them (NoPE attention of width 2 * hidden on
+    [hidden | embeddings], scores scaled by (head_dim / 2) ** -0.5; a gate / up / down MLP), whose output, through a
+    per-layer linear map, is added to the Mamba mixer's input. The block fields carry the names Zamba2Params uses
+    (models/zamba.py reads both): one block, no adapters, no RoPE."""
+
+    mamba_expand: int
+    mamba_d_state: int
+    mamba_d_conv: int
+    mamba_dt_rank: int
+    mamba_conv_bias: bool
+    mamba_proj_bias: bool
+    n_mamba_heads: int
+    time_step_min: float               # dummy init of dt (the forward has no clamp)
+    time_step_max: float
+    time_step_floor: float
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str
+    hybrid_layer_ids: tuple[int, ...]
+    rope_parameters: tuple = ()
+    num_mem_blocks: int = 1
+    attention_adapters: bool = False
+    adapter_rank: int = 0
+
+
+def _parse_zamba(hf):
+    if hf.hidden_act not in ACTIVATIONS:
+        raise UnsupportedArchitectureError(f"zamba with hidden_act={hf.hidden_act!r} (one of {ACTIVATIONS})")
+    if hf.hidden_mamba_act != "silu":
+        raise UnsupportedArchitectureError(f"zamba with hidden_mamba_act={hf.hidden_mamba_act!r} (only silu)")
+    if hf.attention_hidden_size != 2 * hf.hidden_size:
+        raise ConfigError("zamba: attention_hidden_size must be 2 * hidden_size (the block reads [hidden | "
+                          "embeddings])")
+    types = _layer_types(hf, {"mamba": LINEAR, "hybrid": PARALLEL}, attr="layers_block_type")
+    params = ZambaParams(
+        mamba_expand=hf.mamba_expand, mamba_d_state=hf.mamba_d_state, mamba_d_conv=hf.mamba_d_conv,
+        mamba_dt_rank=int(hf.mamba_dt_rank), mamba_conv_bias=bool(hf.mamba_conv_bias),
+        mamba_proj_bias=bool(hf.mamba_proj_bias), n_mamba_heads=hf.n_mamba_heads,
+        time_step_min=float(hf.time_step_min), time_step_max=float(hf.time_step_max),
+        time_step_floor=float(hf.time_step_floor), num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads, head_dim=hf.attention_head_dim,
+        intermediate_size=hf.intermediate_size, hidden_act=hf.hidden_act,
+        hybrid_layer_ids=tuple(i for i, t in enumerate(types) if t == PARALLEL))
+    return types, params
+
+
+@dataclass(frozen=True)
 class TransformerParams:
     """Plain decoder-only transformers (Llama, Qwen2): every layer is full attention with RoPE,
     SwiGLU MLP, plain RMSNorm. A hybrid with no linear layers: PIC reduces to per-segment
@@ -765,6 +816,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "bailing_hybrid": ArchSpec("bailing_hybrid", "bailing_hybrid", _parse_bailing_hybrid),
     "bamba": ArchSpec("bamba", "bamba", _parse_bamba),
     "zamba2": ArchSpec("zamba2", "zamba2", _parse_zamba2),
+    "zamba": ArchSpec("zamba", "zamba", _parse_zamba),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),
@@ -772,7 +824,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
-    "zamba": "Mamba1 with a shared attention block; not implemented yet",
     "recurrent_gemma": "RG-LRU + local (sliding-window) attention: a windowed KV is not position independent",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",

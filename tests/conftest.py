@@ -42,6 +42,7 @@ ARCHS = {
     "bailing_hybrid": ("tiny-ling-3.0", "BailingHybridForCausalLM"),
     "bamba": ("tiny-bamba", "BambaForCausalLM"),
     "zamba2": ("tiny-zamba2", "Zamba2ForCausalLM"),
+    "zamba": ("tiny-zamba", "ZambaForCausalLM"),
     "llama": ("tiny-llama", "LlamaForCausalLM"),
     "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }
@@ -85,7 +86,7 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                     p.log_()
             elif name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(0.01, 0.3).log())
-            elif name.endswith("dt_bias"):
+            elif name.endswith(("dt_bias", "dt_proj_bias")):
                 p.copy_(torch.empty_like(p).uniform_(-2.0, 0.0))
             elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -97,6 +98,8 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.mul_(5.0)                        # Mamba's x, B, C (and LFM2's B, C, x) at O(1)
             elif "adapter_list" in name:          # Zamba2's per-layer adapters: as large as the shared weights
                 p.mul_(8.0)
+            elif name.endswith("x_proj_weight"):  # Zamba's per-head x_proj: B and C at O(1) (no norms after it)
+                p.mul_(25.0)
             elif arch in ("llama", "qwen2") and name.endswith("bias"):   # zero at init: make them count
                 p.copy_(torch.randn_like(p) * 0.1)
     return model

@@ -1,5 +1,6 @@
-"""Config variants of Granite 4.0-H (`granitemoehybrid`), OLMo-Hybrid (`olmo_hybrid`), Falcon-H1 (`falcon_h1`) and
-Ling 3.0 (`bailing_hybrid`) beyond the tiny presets that every parametrized test runs, and their released layouts.
+"""Config variants of Granite 4.0-H (`granitemoehybrid`), OLMo-Hybrid (`olmo_hybrid`), Falcon-H1 (`falcon_h1`),
+Ling 3.0 (`bailing_hybrid`), Zamba2, Zamba and Bamba beyond the tiny presets that every parametrized test runs, and
+their released layouts.
 
 Granite: the preset is NoPE with experts; here RoPE (cached keys placed at new positions), dense (no experts,
 shared MLP only), the released expert names, a time-step limit. OLMo-Hybrid: the preset has RoPE and beta in
@@ -7,7 +8,10 @@ shared MLP only), the released expert names, a time-step limit. OLMo-Hybrid: the
 Falcon-H1: the preset has a gated norm before the gate; here after it, none (y * silu(z)), and the Mamba2 width from
 mamba_expand; and a segment entry holds both of a layer's mixers. Ling 3.0 (in transformers 5.24, not 5.17): the preset has
 the bounded KDA gate and full-rank queries; here the unbounded gate and low-rank queries, and the released layout
-(attention / dense names, split convs, per-expert tensors, expert_bias, MTP layers dropped).
+(attention / dense names, split convs, per-expert tensors, expert_bias, MTP layers dropped). Zamba2 / Zamba: no
+adapters, NoPE, one block, biases, two groups / one Mamba head; blocks are shared (named once), entries hold both
+mixers of a hybrid layer, and checkpoints that repeat a block under every layer load (a differing copy is refused).
+Bamba: biases, wider heads, two groups.
 Oracle: transformers' own classes with the same random weights; bounds as tests/test_oracle.py and
 tests/test_invariants.py (1e-4 on logits, fp32)."""
 
@@ -308,25 +312,47 @@ def test_zamba2_shared_blocks_and_entries(tmp_path):
         assert isinstance(entry.layers[n + i], AttnKV) and entry.layers[n + i].k.shape[0] == 60 - 8
 
 
-def test_zamba2_checkpoint_with_untied_copies(tmp_path):
+@pytest.mark.parametrize("arch", ["zamba2", "zamba"])
+def test_zamba_checkpoint_with_untied_copies(tmp_path, arch):
     """A checkpoint that stores a shared block again under every layer using it loads to the same engine; a copy that
     differs from the block it should repeat is refused."""
     from safetensors.torch import load_file, save_file
 
     from hypic.errors import WeightsError
 
-    model = hf_model("zamba2", seed=3)
+    block, first, later = {"zamba2": ("shared_transformer", 1, 5), "zamba": ("shared_transf", 2, 5)}[arch]
+    model = hf_model(arch, seed=3)
     llm = _engine(model, tmp_path / "a", cache_mode="full")
     real = load_file(str(tmp_path / "a" / "model.safetensors"))
-    copies = {k.replace("layers.1.", "layers.5."): v.clone() for k, v in real.items()
-              if k.startswith("model.layers.1.shared_transformer.")}
+    assert not any(k.startswith(f"model.layers.{later}.{block}.") for k in real)      # saved once
+    copies = {k.replace(f"layers.{first}.", f"layers.{later}."): v.clone() for k, v in real.items()
+              if k.startswith(f"model.layers.{first}.{block}.")}
     assert copies
     _same_engine_from(tmp_path, llm, {**real, **copies})
-    key = "model.layers.5.shared_transformer.self_attn.q_proj.weight"
+    key = f"model.layers.{later}.{block}.self_attn.q_proj.weight"
     copies[key] = copies[key] + 1.0
     save_file({**real, **copies}, str(tmp_path / "b" / "model.safetensors"))
     with pytest.raises(WeightsError, match="shared block"):
         LLM(str(tmp_path / "b"))
+
+
+@pytest.mark.parametrize("variant", ["one-head-mha", "biases-silu"])
+def test_zamba_variants_match_transformers(tmp_path, variant):
+    """Zamba (Mamba1 with per-head x_proj / dt_proj): the preset has two Mamba heads, GQA and GELU; here one head (plain
+    S6 without Jamba's norms) with full multi-head attention, and biases on in_proj / out_proj with a SiLU MLP."""
+    over = {"one-head-mha": dict(n_mamba_heads=1, num_key_value_heads=4),
+            "biases-silu": dict(mamba_proj_bias=True, hidden_act="silu")}[variant]
+    model = hf_model("zamba", seed=4, **over)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("in_proj.bias", "out_proj.bias")):
+                p.copy_(torch.randn_like(p) * 0.1)                     # zero at init: make them count
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    layers = llm.engine.model.model.layers
+    assert layers[2].shared_transf is layers[5].shared_transf
+    assert layers[0].mamba.heads == over.get("n_mamba_heads", 2)
+    _check_full(model, llm)
+    _pic_checks(llm)
 
 
 # -- Bamba ---------------------------------------------------------------------------------------------------------------

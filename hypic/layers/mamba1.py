@@ -12,6 +12,8 @@ Output: out_proj(y * silu(z)).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,3 +73,82 @@ class Mamba1Mixer(LinearMixer):
 
     def output(self, x, o, f):
         return self.out_proj((o * F.silu(f["z"].float())).to(x.dtype))
+
+
+class MultiHeadMamba1Mixer(LinearMixer):
+    """Zamba's Mamba (S6) with `n_mamba_heads` heads: the I channels split into heads of head_dim channels; each head
+    has its own x_proj (dt, B and C from its channels) and dt_proj; no dt / B / C norms. in_proj emits (x, z) channel
+    pairs, interleaved (transformers' layout, kept as it is). In fla's layout as for Mamba1 (every channel a value head
+    with V = 1), with one key head per Mamba head: q = C, k = B of the channel's head; the state is [I, N, 1] and T is
+    diagonal. Output: out_proj((y + D x) * silu(z))."""
+
+    form = Form.DIAGONAL
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
+        super().__init__(layer_idx, ops)
+        p = cfg.params
+        hs = cfg.hidden_size
+        self.inner, self.n, self.rank = p.mamba_expand * hs, p.mamba_d_state, p.mamba_dt_rank
+        self.heads = p.n_mamba_heads
+        self.hd = self.inner // self.heads
+        self.conv_width = p.mamba_d_conv
+        self.in_proj = nn.Linear(hs, 2 * self.inner, bias=p.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(self.inner, self.inner, self.conv_width, groups=self.inner, bias=p.mamba_conv_bias,
+                                padding=self.conv_width - 1)
+        self.x_proj_weight = nn.Parameter(torch.zeros(self.heads, self.rank + 2 * self.n, self.hd))
+        self.dt_proj_weight = nn.Parameter(torch.zeros(self.heads, self.hd, self.rank))
+        self.dt_proj_bias = nn.Parameter(torch.zeros(self.heads, self.hd))
+        self.A_log = nn.Parameter(torch.zeros(self.heads, self.hd, self.n))
+        self.D = nn.Parameter(torch.ones(self.heads, self.hd))
+        self.out_proj = nn.Linear(self.inner, hs, bias=p.mamba_proj_bias)
+
+    @property
+    def state_shape(self):
+        return self.inner, self.n, 1
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner
+
+    def features(self, x, batch):
+        xz = self.in_proj(x).view(x.shape[0], self.inner, 2)
+        return {"raw": xz[..., 0], "z": xz[..., 1]}
+
+    def kernel(self, f, conv_out, idx, init, cu, summarize):
+        n = conv_out.shape[0]
+        ssm = torch.einsum("nhd,hrd->nhr", conv_out.view(n, self.heads, self.hd), self.x_proj_weight)
+        dt, B, C = ssm.split([self.rank, self.n, self.n], dim=-1)
+        dt = torch.einsum("nhr,hdr->nhd", dt, self.dt_proj_weight).reshape(n, self.inner)
+        dt = F.softplus(dt.float() + self.dt_proj_bias.float().reshape(-1))               # [n, I]
+        g = dt[:, :, None] * -self.A_log.float().exp().reshape(self.inner, self.n)         # [n, I, N] log decay
+        v = (dt * conv_out.float())[..., None]                                              # [n, I, 1]
+        fn = self.ops.recurrent_gla if int((cu[1:] - cu[:-1]).max()) == 1 else self.ops.chunk_gla
+        o, final = fn(C[None], B[None], v[None], g[None], scale=1.0, initial_state=init, output_final_state=True,
+                      cu_seqlens=cu)
+        o = o[0, :, :, 0] + self.D.float().reshape(-1) * conv_out.float()
+        ts = log_decay_transitions(g, cu, Form.DIAGONAL) if summarize else None
+        return o, final, ts
+
+    def output(self, x, o, f):
+        return self.out_proj((o * F.silu(f["z"].float())).to(x.dtype))
+
+    @staticmethod
+    def dummy_init(cfg: ModelConfig, name: str, p: torch.Tensor, generator) -> bool:
+        """As the reference inits them: A = -(1..N) per channel, D = 1, dt = softplus(dt_proj_bias) log-uniform in
+        [time_step_min, time_step_max], dt_proj uniform in +-rank^-0.5; False for any other parameter."""
+        q = cfg.params
+        if name.endswith("A_log"):
+            p.copy_(torch.arange(1, p.shape[-1] + 1, dtype=p.dtype, device=p.device).log().expand_as(p))
+        elif name.endswith(".D"):
+            p.fill_(1.0)
+        elif name.endswith("dt_proj_bias"):
+            lo, hi = math.log(q.time_step_min), math.log(q.time_step_max)
+            dt = torch.empty(p.shape, device=p.device).uniform_(lo, hi, generator=generator).exp()
+            dt = dt.clamp(min=q.time_step_floor)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
+        elif name.endswith("dt_proj_weight"):
+            b = q.mamba_dt_rank ** -0.5
+            p.copy_(torch.empty(p.shape, device=p.device).uniform_(-b, b, generator=generator))
+        else:
+            return False
+        return True

@@ -209,23 +209,26 @@ def bamba(tensors: dict, cfg: ModelConfig) -> dict:
     return _common(tensors, cfg)
 
 
-def zamba2(tensors: dict, cfg: ModelConfig) -> dict:
-    """transformers' Zamba2ForCausalLM layout. A shared block's weights are kept under the first hybrid layer that uses
-    it; copies stored under later layers (a checkpoint written without tying) are dropped, as transformers ties them
-    to the first. A copy that differs from the first is an error: the layers would not share one block."""
-    p = cfg.params
+def zamba(tensors: dict, cfg: ModelConfig) -> dict:
+    """transformers' ZambaForCausalLM / Zamba2ForCausalLM layout. A shared block's weights are kept under the first
+    hybrid layer that uses it; copies stored under later layers (a checkpoint written without tying) are dropped, as
+    transformers ties them to the first. A copy that differs from the first is an error: the layers would not share
+    one block."""
+    from .zamba import block_name
+
+    p, blk = cfg.params, block_name(cfg)
     first = {}
     for slot, i in enumerate(p.hybrid_layer_ids):
         first.setdefault(slot % p.num_mem_blocks, i)
     owner = {i: first[slot % p.num_mem_blocks] for slot, i in enumerate(p.hybrid_layer_ids)}
-    pat = re.compile(r"^model\.layers\.(\d+)\.shared_transformer\.(.*)$")
+    pat = re.compile(rf"^model\.layers\.(\d+)\.{blk}\.(.*)$")
     out = {}
     for name, t in tensors.items():
         m = pat.match(name)
         if m is None or owner.get(int(m.group(1)), int(m.group(1))) == int(m.group(1)):
             out[name] = t
             continue
-        src = f"model.layers.{owner[int(m.group(1))]}.shared_transformer.{m.group(2)}"
+        src = f"model.layers.{owner[int(m.group(1))]}.{blk}.{m.group(2)}"
         if src in tensors and not torch.equal(tensors[src], t):
             from ..errors import WeightsError
 

@@ -155,6 +155,15 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None,
         initializer_range=0.02,
     ),
+    # Zamba: two-head Mamba1 layers and two hybrid layers sharing one block (NoPE GQA attention, GELU MLP).
+    "tiny-zamba": dict(
+        model_type="zamba", vocab_size=320, hidden_size=64, num_hidden_layers=6,
+        layers_block_type=["mamba", "mamba", "hybrid", "mamba", "mamba", "hybrid"], mamba_d_state=16,
+        mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, n_mamba_heads=2, mamba_conv_bias=True,
+        mamba_proj_bias=False, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, hidden_act="gelu",
+        hidden_mamba_act="silu", max_position_embeddings=65536, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # Plain transformers (no linear layer): SmolLM2's layout (tied, no biases) and Qwen2's (q/k/v biases).
     "tiny-llama": dict(
         model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -24,7 +24,8 @@ _MODELS = {
     "falcon_h1": ("hypic.models.falcon_h1", "FalconH1ForCausalLM", "hypic.models.convert", "falcon_h1"),
     "olmo_hybrid": ("hypic.models.olmo_hybrid", "OlmoHybridForCausalLM", "hypic.models.convert", "olmo_hybrid"),
     "bamba": ("hypic.models.bamba", "BambaForCausalLM", "hypic.models.convert", "bamba"),
-    "zamba2": ("hypic.models.zamba2", "Zamba2ForCausalLM", "hypic.models.convert", "zamba2"),
+    "zamba2": ("hypic.models.zamba", "ZambaForCausalLM", "hypic.models.convert", "zamba"),
+    "zamba": ("hypic.models.zamba", "ZambaForCausalLM", "hypic.models.convert", "zamba"),
     "llama": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
     "qwen2": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
 }

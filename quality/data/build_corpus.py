@@ -66,7 +66,10 @@ def fetch_sources() -> None:
     pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(DL)]
     if not BB.exists():
         if not list(DL.glob("bigbench-1.0.0.tar.gz")):
-            subprocess.run(pip + ["--no-binary", ":all:", "bigbench==1.0.0"], check=True)
+            if subprocess.run(pip + ["--no-binary", ":all:", "bigbench==1.0.0"]).returncode != 0:
+                sys.exit("build_corpus: pip could not download the bigbench==1.0.0 sdist (on 2026-12-05 PyPI listed only "
+                         "0.0.1, an empty placeholder). The KC and disfl_qa tasks come only from it: put a copy of "
+                         f"bigbench-1.0.0.tar.gz (358 MB) into {DL} and run again.")
         (DL / "bb").mkdir(exist_ok=True)
         tasks = ["contextual_parametric_knowledge_conflicts", "disfl_qa"]
         subprocess.run(["tar", "-xzf", str(DL / "bigbench-1.0.0.tar.gz"), "-C", str(DL / "bb")]

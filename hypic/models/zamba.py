@@ -1,18 +1,19 @@
-"""Zyphra Zamba2 (`zamba2`): Mamba2 layers, and "hybrid" layers that run a transformer block shared across layers
-before their Mamba2 mixer:
+"""Zyphra Zamba (`zamba`) and Zamba2 (`zamba2`): Mamba layers, and "hybrid" layers that run a transformer block shared
+across layers before their Mamba mixer:
 
     e = the token embeddings (the model's input, kept for every hybrid layer)
     a = attn(input_layernorm([h | e]))                     width 2 * hidden in, hidden out
     t = linear(feed_forward(pre_ff_layernorm(a)))         the block's MLP, then a per-layer linear map
     h = h + mamba(mamba_norm(h + t))                      the block's output enters the mixer, not the residual
 
-`num_mem_blocks` distinct blocks serve the hybrid layers in turn (hybrid layer j uses block j % num_mem_blocks); its
+Zamba2: Mamba2 mixers; `num_mem_blocks` distinct blocks serve the hybrid layers in turn (hybrid layer j uses block j % num_mem_blocks); its
 weights are shared, its low-rank adapters are not: adapter slot j of that block (on q / k / v when
 `use_shared_attention_adapter`, always on the MLP's gate/up projection) belongs to hybrid layer j. A hybrid layer has
 two stateful mixers (`state_mixers`): the Mamba2 one under the layer's index i and the attention under
 num_layers + i, whose keys are that layer's own (the shared weights see the layer's input), so a segment entry holds
-both, as for Falcon-H1. Parameter names are transformers'; a block's weights are named once, at the first hybrid
-layer that uses it (transformers ties the later ones to it and saves them once)."""
+both, as for Falcon-H1. Zamba: multi-head Mamba1 mixers (layers/mamba1.py), one block (`shared_transf`) for every
+hybrid layer, no adapters, NoPE, a gate / up / down MLP. Parameter names are transformers'; a block's weights are
+named once, at the first hybrid layer that uses it (transformers ties the later ones to it and saves them once)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..config import PARALLEL, ModelConfig
 from ..layers.attention import RopeAttention
+from ..layers.mamba1 import MultiHeadMamba1Mixer
 from ..layers.mamba2 import GroupedGatedRMSNorm, Mamba2Mixer, mamba2_dummy_init
 from ..layers.mlp import activation
 from ..layers.norm import ScaledRMSNorm
@@ -28,7 +30,7 @@ from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
 from .base import CausalLM
 
-EMBEDS = ("zamba2", "embeds")       # batch.scratch key: the token embeddings of this forward
+EMBEDS = ("zamba", "embeds")        # batch.scratch key: the token embeddings of this forward
 
 
 def _adapters(cfg: ModelConfig, block_id: int, d_in: int, d_out: int) -> nn.ModuleList:
@@ -73,11 +75,26 @@ class SharedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class GatedMLP(nn.Module):
+    """Zamba's block MLP: down(act(gate(x)) * up(x)), no adapters."""
+
+    def __init__(self, cfg: ModelConfig, block_id: int):
+        super().__init__()
+        hs, inter = cfg.hidden_size, cfg.params.intermediate_size
+        self.gate_proj = nn.Linear(hs, inter, bias=False)
+        self.up_proj = nn.Linear(hs, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hs, bias=False)
+        self.act = activation(cfg.params.hidden_act)
+
+    def forward(self, x, slot: int):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
 class SharedBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, block_id: int):
         super().__init__()
         self.self_attn = SharedAttentionWeights(cfg, block_id)
-        self.feed_forward = SharedMLP(cfg, block_id)
+        self.feed_forward = (GatedMLP if cfg.arch == "zamba" else SharedMLP)(cfg, block_id)
         self.input_layernorm = ScaledRMSNorm(2 * cfg.hidden_size, cfg.rms_norm_eps)
         self.pre_ff_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -121,7 +138,7 @@ class Zamba2Mamba(Mamba2Mixer):
 class MambaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, ops):
         super().__init__()
-        self.mamba = Zamba2Mamba(cfg, i, ops)
+        self.mamba = (MultiHeadMamba1Mixer if cfg.arch == "zamba" else Zamba2Mamba)(cfg, i, ops)
         self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @property
@@ -132,12 +149,18 @@ class MambaLayer(nn.Module):
         return h + self.mamba(self.input_layernorm(h if extra is None else h + extra), batch)
 
 
+def block_name(cfg: ModelConfig) -> str:
+    """The attribute a hybrid layer keeps its shared block under (transformers' names)."""
+    return "shared_transf" if cfg.arch == "zamba" else "shared_transformer"
+
+
 class HybridLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary, block: SharedBlock, slot: int):
         super().__init__()
         self.linear = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.mamba_decoder = MambaLayer(cfg, i, ops)
-        self.shared_transformer = block
+        self.add_module(block_name(cfg), block)
+        self.block = [block]                 # the same module, for forward (named once, under the name above)
         self.attn = BlockAttention(cfg, cfg.num_layers + i, ops, rotary, block, slot)
         self.slot = slot
 
@@ -150,7 +173,7 @@ class HybridLayer(nn.Module):
         return None
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        b = self.shared_transformer
+        b = self.block[0]
         a = self.attn(b.input_layernorm(torch.cat([h, batch.scratch[EMBEDS]], dim=-1)), batch)
         t = self.linear(b.feed_forward(b.pre_ff_layernorm(a), self.slot))
         return self.mamba_decoder(h, batch, t)
@@ -181,7 +204,9 @@ class Backbone(nn.Module):
         return self.final_layernorm
 
 
-class Zamba2ForCausalLM(CausalLM):
+class ZambaForCausalLM(CausalLM):
+    """Zamba and Zamba2 (the config's arch picks the mixer, the block's MLP and its name)."""
+
     def __init__(self, cfg: ModelConfig, ops):
         super().__init__(cfg, Backbone(cfg, ops))
 
@@ -191,4 +216,6 @@ class Zamba2ForCausalLM(CausalLM):
         return e
 
     def dummy_init(self, name, p, generator) -> bool:
+        if self.config.arch == "zamba":
+            return MultiHeadMamba1Mixer.dummy_init(self.config, name, p, generator)
         return mamba2_dummy_init(name, p, generator)
