@@ -478,6 +478,35 @@ class Lfm2Params:
     intermediate_size: int             # after block_auto_adjust_ff_dim, as transformers builds it
 
 
+@dataclass(frozen=True)
+class Lfm2MoeParams(Lfm2Params):
+    """LFM2-MoE (`lfm2_moe`): LFM2's layers with a SwiGLU MLP in the first `num_dense_layers` and, after them, a MoE
+    with sigmoid routing (experts chosen by score + a selection-only `expert_bias`), the chosen scores renormalised
+    when `norm_topk_prob`, times `routed_scaling_factor`; no shared expert."""
+
+    num_dense_layers: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    expert_bias: bool = False
+
+
+def _parse_lfm2_moe(hf):
+    params = Lfm2MoeParams(
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, rope_parameters=_rope(hf),
+        conv_kernel=hf.conv_L_cache, conv_bias=bool(hf.conv_bias), intermediate_size=hf.intermediate_size,
+        num_dense_layers=int(hf.num_dense_layers), num_experts=int(hf.num_experts),
+        num_experts_per_tok=int(hf.num_experts_per_tok), moe_intermediate_size=int(hf.moe_intermediate_size),
+        norm_topk_prob=bool(hf.norm_topk_prob), routed_scaling_factor=float(hf.routed_scaling_factor),
+        expert_bias=bool(hf.use_expert_bias))
+    if params.num_experts_per_tok > params.num_experts or params.num_experts < 2:
+        raise ConfigError("lfm2_moe: needs num_experts >= 2 and num_experts_per_tok <= num_experts")
+    return _layer_types(hf, {"conv": LINEAR}), params
+
+
 def _parse_lfm2(hf):
     inter = hf.intermediate_size
     if hf.block_auto_adjust_ff_dim:
@@ -810,6 +839,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "jamba": ArchSpec("jamba", "jamba", _parse_jamba),
     "bailing_moe_linear": ArchSpec("bailing_moe_linear", None, _parse_bailing_linear),
     "lfm2": ArchSpec("lfm2", "lfm2", _parse_lfm2),
+    "lfm2_moe": ArchSpec("lfm2_moe", "lfm2_moe", _parse_lfm2_moe),
     "granitemoehybrid": ArchSpec("granitemoehybrid", "granitemoehybrid", _parse_granitemoehybrid),
     "olmo_hybrid": ArchSpec("olmo_hybrid", "olmo_hybrid", _parse_olmo_hybrid),
     "falcon_h1": ArchSpec("falcon_h1", "falcon_h1", _parse_falcon_h1),

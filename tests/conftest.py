@@ -36,6 +36,7 @@ ARCHS = {
     "jamba": ("tiny-jamba", "JambaForCausalLM"),
     "bailing_moe_linear": ("tiny-ring-linear", None),          # None: tests/ring_reference.py
     "lfm2": ("tiny-lfm2", "Lfm2ForCausalLM"),
+    "lfm2_moe": ("tiny-lfm2-moe", "Lfm2MoeForCausalLM"),
     "granitemoehybrid": ("tiny-granite-4.0-h", "GraniteMoeHybridForCausalLM"),
     "olmo_hybrid": ("tiny-olmo-hybrid", "OlmoHybridForCausalLM"),
     "falcon_h1": ("tiny-falcon-h1", "FalconH1ForCausalLM"),
@@ -102,6 +103,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.mul_(25.0)
             elif arch in ("llama", "qwen2") and name.endswith("bias"):   # zero at init: make them count
                 p.copy_(torch.randn_like(p) * 0.1)
+        if arch == "lfm2_moe":                    # the selection-only expert bias (a buffer, zero at init): make it count
+            for name, b in model.named_buffers():
+                if name.endswith("expert_bias"):
+                    b.copy_(torch.rand_like(b) * 0.3)
     return model
 
 

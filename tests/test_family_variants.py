@@ -379,3 +379,23 @@ def test_bamba_variants_match_transformers(tmp_path, variant):
     assert attn.rotary[0].rotary_dim == attn.hd // 2
     _check_full(model, llm)
     _pic_checks(llm)
+
+
+# -- LFM2-MoE ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["no-bias-no-norm", "state-dict-layout"])
+def test_lfm2_moe_variants(tmp_path, variant):
+    """The preset has the selection-only expert bias and renormalised weights; here neither. The checkpoint transformers
+    writes has per-expert w1 / w3 / w2 tensors (fused on load); its in-memory state dict has the fused 3-D ones, which
+    load as they are to the same engine."""
+    over = {"no-bias-no-norm": dict(use_expert_bias=False, norm_topk_prob=False), "state-dict-layout": {}}[variant]
+    model = hf_model("lfm2_moe", seed=4, **over)
+    llm = _engine(model, tmp_path / "a", cache_mode="pic", seam=8)
+    moe = llm.engine.model.model.layers[2].feed_forward
+    assert (moe.expert_bias is None) == (variant == "no-bias-no-norm")
+    if variant == "state-dict-layout":
+        sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        assert "model.layers.2.feed_forward.experts.gate_up_proj" in sd
+        _same_engine_from(tmp_path, llm, sd)
+        return
+    _check_full(model, llm)
+    _pic_checks(llm)

@@ -163,8 +163,15 @@ def bailing_moe_linear(tensors: dict, cfg: ModelConfig) -> dict:
 
 
 def lfm2(tensors: dict, cfg: ModelConfig) -> dict:
-    """transformers' Lfm2ForCausalLM layout as saved (no renames)."""
-    return _common(tensors, cfg)
+    """transformers' Lfm2ForCausalLM layout as saved (no renames). LFM2-MoE: the per-expert
+    feed_forward.experts.{e}.{w1 (gate), w3 (up), w2 (down)} of the released checkpoints (transformers saves them so
+    too) -> fused 3-D tensors."""
+    if cfg.arch != "lfm2_moe":
+        return _common(tensors, cfg)
+    t = _rename(tensors, [(r"\.feed_forward\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
+                          (r"\.feed_forward\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
+                          (r"\.feed_forward\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj.")])
+    return _rename(_common(t, cfg), [(r"\.mlp\.experts\.", ".feed_forward.experts.")])
 
 
 def granitemoehybrid(tensors: dict, cfg: ModelConfig) -> dict:

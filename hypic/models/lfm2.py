@@ -1,6 +1,8 @@
 """LFM2 (Liquid): gated short-conv layers (`ShortConv`, conv window only) and GQA attention with
 q/k RMSNorm and RoPE; `operator_norm` before the mixer, `ffn_norm` before the SwiGLU
-`feed_forward` (w1 gate, w3 up, w2 down) in every layer; the final norm is `embedding_norm`."""
+`feed_forward` (w1 gate, w3 up, w2 down) in every layer; the final norm is `embedding_norm`.
+LFM2-MoE (`lfm2_moe`): after its first `num_dense_layers`, `feed_forward` is a MoE with sigmoid routing
+(`Lfm2Moe`: `gate`, `experts`, `expert_bias`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch import nn
 
 from ..config import FULL, ModelConfig
 from ..layers.attention import RopeAttention
+from ..layers.mlp import Experts, Router
 from ..layers.norm import ScaledRMSNorm
 from ..layers.rope import Rotary
 from ..layers.short_conv import ShortConv
@@ -52,6 +55,25 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Lfm2Moe(nn.Module):
+    """Sigmoid scores; experts chosen by score + expert_bias (selection only); the chosen scores, renormalised when
+    norm_topk_prob (sum + 1e-6, as transformers), times routed_scaling_factor."""
+
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.ops, self.p = ops, cfg.params
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.expert_bias = nn.Parameter(torch.zeros(cfg.params.num_experts)) if cfg.params.expert_bias else None
+
+    def forward(self, x):
+        p = self.p
+        bias = self.expert_bias if self.expert_bias is not None else x.new_zeros(p.num_experts)
+        w, e = self.ops.route_grouped_sigmoid(x, self.gate.weight, bias, p.num_experts_per_tok, 1, 1, p.norm_topk_prob,
+                                              p.routed_scaling_factor, eps=1e-6)
+        return self.ops.experts_forward(x, w.to(x.dtype), e, self.experts.gate_up_proj, self.experts.down_proj)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
@@ -59,7 +81,10 @@ class DecoderLayer(nn.Module):
             self.self_attn = Lfm2Attention(cfg, i, ops, rotary)
         else:
             self.conv = ShortConv(cfg, i, ops)
-        self.feed_forward = FeedForward(cfg.hidden_size, cfg.params.intermediate_size)
+        if cfg.arch == "lfm2_moe" and i >= cfg.params.num_dense_layers:
+            self.feed_forward = Lfm2Moe(cfg, ops)
+        else:
+            self.feed_forward = FeedForward(cfg.hidden_size, cfg.params.intermediate_size)
         self.operator_norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -89,3 +114,9 @@ class Backbone(nn.Module):
 class Lfm2ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
         super().__init__(cfg, Backbone(cfg, ops))
+
+    def dummy_init(self, name, p, generator) -> bool:
+        if name.endswith("expert_bias"):
+            p.zero_()
+            return True
+        return False

@@ -86,6 +86,16 @@ PRESETS: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=65536,
         tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # LFM2-MoE: LFM2's layers, two dense MLPs, then an 8-expert top-2 MoE with sigmoid routing and an expert bias.
+    "tiny-lfm2-moe": dict(
+        model_type="lfm2_moe", vocab_size=320, hidden_size=64, num_hidden_layers=6,
+        layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=32,
+        num_dense_layers=2, num_experts=8, num_experts_per_tok=2, use_expert_bias=True, routed_scaling_factor=1.5,
+        norm_topk_prob=True, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=65536,
+        tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # Granite 4.0-H: Mamba2 (one group, as released) and NoPE attention (layers 2 and 5; the legacy type names the
     # released configs carry), a shared MLP plus a 4-expert top-2 MoE after every mixer, muP multipliers away from 1.
     "tiny-granite-4.0-h": dict(

@@ -17,6 +17,7 @@ _MODELS = {
     "bailing_moe_linear": ("hypic.models.bailing_moe_linear", "BailingMoeLinearForCausalLM", "hypic.models.convert",
                            "bailing_moe_linear"),
     "lfm2": ("hypic.models.lfm2", "Lfm2ForCausalLM", "hypic.models.convert", "lfm2"),
+    "lfm2_moe": ("hypic.models.lfm2", "Lfm2ForCausalLM", "hypic.models.convert", "lfm2"),
     "granitemoehybrid": ("hypic.models.granitemoehybrid", "GraniteMoeHybridForCausalLM", "hypic.models.convert",
                          "granitemoehybrid"),
     "bailing_hybrid": ("hypic.models.bailing_hybrid", "BailingHybridForCausalLM", "hypic.models.convert",

@@ -35,10 +35,11 @@ def experts_forward(x, weights, experts, gate_up, down):
 
 
 def route_grouped_sigmoid(x, router, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
-                          scaling: float):
+                          scaling: float, eps: float = 1e-20):
     """DeepSeek-V3 / Kimi routing: sigmoid scores (fp32); experts are chosen by score + bias within the
     best `topk_group` of `n_group` groups (a group's score: the sum of its top two); the weights are
-    the unbiased scores, optionally renormalised, times `scaling`. Returns (weights fp32 [N, k], experts)."""
+    the unbiased scores, optionally renormalised (sum + eps: LFM2-MoE adds 1e-6), times `scaling`. Returns
+    (weights fp32 [N, k], experts)."""
     scores = F.linear(x.float(), router.float()).sigmoid()
     choice = scores + bias.float()
     n, e = choice.shape
@@ -49,5 +50,5 @@ def route_grouped_sigmoid(x, router, bias, top_k: int, n_group: int, topk_group:
     experts = torch.topk(choice.masked_fill(~mask, float("-inf")), k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, experts)
     if norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
     return weights * scaling, experts
