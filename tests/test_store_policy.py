@@ -147,3 +147,37 @@ def test_server_tags_segments_and_invalidates():
         assert _keys(llm) == [("", "")]
         metrics = client.get("/metrics").text
         assert "hypic_store_invalidated_total 2.0" in metrics
+
+
+def test_admin_calls_run_on_the_engine_thread():
+    """The admin endpoints change and walk the engine's stores; they run on the scheduler's engine thread between two
+    steps (never beside a prefill or compose pass), their errors reach the caller, and the thread goes on serving."""
+    import threading
+
+    from hypic.runtime.scheduler import SchedulerClosedError
+    from hypic.server.app import ServerConfig, build_app
+
+    llm = LLM("tiny-qwen3.5", seam=8)
+    seen = []
+    real = llm.invalidate
+
+    def spy(**kw):
+        seen.append(threading.current_thread().name)
+        return real(**kw)
+
+    llm.invalidate = spy
+    app = build_app(llm, ServerConfig(model_name="m"))
+    with TestClient(app) as client:
+        body = {"model": "m", "prompt": "question?", "max_tokens": 2,
+                "segments": [{"text": "a tagged document text", "doc_id": "k"}]}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.post("/admin/invalidate", json={"doc_id": "k"}).json() == {"invalidated": 1}
+        assert seen == ["hypic-scheduler"]
+        assert client.get("/admin/segments").json()["data"] == []
+        sched = app.state.scheduler
+        assert sched.call(lambda: threading.current_thread().name).result(5) == "hypic-scheduler"
+        with pytest.raises(ZeroDivisionError):
+            sched.call(lambda: 1 / 0).result(5)
+        assert client.post("/v1/completions", json=body).status_code == 200          # still serving
+    with pytest.raises(SchedulerClosedError):
+        sched.call(lambda: None)

@@ -7,7 +7,9 @@ Each loop iteration:
     3. decode  one batched step for every running request (engine.step)
     4. retire  finished, cancelled and timed-out requests, releasing their state
 Requests join and leave the running batch between steps. Only this thread touches the engine;
-results reach the caller through the `on_event` callback (called from this thread).
+results reach the caller through the `on_event` callback (called from this thread). Other work on the engine or
+its stores (the server's admin endpoints: listing, deleting, invalidating, clearing) is handed to this thread with
+`call(fn)` and runs between two steps, never in the middle of a prefill or compose pass.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,6 +68,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="hypic-scheduler", daemon=True)
+        self._calls: deque[tuple[Callable, Future]] = deque()
         self.steps = 0
 
     # -- caller side (any thread) ------------------------------------------------------------------
@@ -83,6 +87,17 @@ class Scheduler:
                 raise QueueFullError(f"too many waiting requests ({self.config.max_waiting}); retry later")
             self.waiting.append(job)
             self._cv.notify()
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run fn() on the engine thread between two steps; the Future holds its result or its exception. Raises
+        SchedulerClosedError when the scheduler is not running (nothing would run it)."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stop or not self._thread.is_alive():
+                raise SchedulerClosedError("the engine thread is not running")
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut
 
     def cancel(self, job: Job) -> None:
         """Mark a job cancelled (client gone, stop string hit); it leaves at the next step boundary."""
@@ -108,16 +123,27 @@ class Scheduler:
             job.on_event("error", job, (503, "the server shut down before the request finished"))
         self.waiting.clear()
         self.running.clear()
+        with self._cv:
+            calls, self._calls = list(self._calls), deque()
+        for _, fut in calls:
+            fut.set_exception(SchedulerClosedError("the server shut down before the call ran"))
 
     # -- engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self.waiting and not self.running:
+                while not self._stop and not self.waiting and not self.running and not self._calls:
                     self._cv.wait(0.5)
                 if self._stop:
                     return
+                calls, self._calls = list(self._calls), deque()
                 admitted = self._admit()
+            for fn, fut in calls:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:      # the caller gets it; the engine thread goes on
+                        fut.set_exception(e)
             if admitted:
                 self._prefill(admitted)
             self._retire()

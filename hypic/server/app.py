@@ -321,18 +321,27 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def on_engine(fn):
+        """fn() on the engine thread, between two steps (the stores are the engine's: never changed, nor walked,
+        while a pass runs)."""
+        try:
+            return await asyncio.wrap_future(scheduler.call(fn))
+        except SchedulerClosedError as e:
+            raise ApiError(503, str(e), "server_error") from e
+
     @app.get("/admin/stats", dependencies=[Depends(auth)])
     async def admin_stats():
-        return {"store": llm.cache_stats(), "scheduler": scheduler.stats(), "parallel": llm.parallel_stats(), "policy": {
+        store, par = await on_engine(lambda: (llm.cache_stats(), llm.parallel_stats()))
+        return {"store": store, "scheduler": scheduler.stats(), "parallel": par, "policy": {
             "cache_mode": llm.cache_mode, "seam": llm.policy.seam, "anchor": llm.policy.anchor}}
 
     @app.get("/admin/segments", dependencies=[Depends(auth)])
     async def admin_segments():
-        return {"object": "list", "data": [e.describe() for e in llm.engine.segments.values()]}
+        return {"object": "list", "data": await on_engine(lambda: [e.describe() for e in llm.engine.segments.values()])}
 
     @app.delete("/admin/segments/{key}", dependencies=[Depends(auth)])
     async def admin_delete(key: str):
-        if llm.engine.segments.delete_id(key):          # every tier: device, host, disk
+        if await on_engine(lambda: llm.engine.segments.delete_id(key)):     # every tier: device, host, disk
             return {"deleted": key}
         raise ApiError(404, f"no cached segment {key!r}", "not_found_error")
 
@@ -340,12 +349,12 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     async def admin_invalidate(body: P.InvalidateRequest):
         if body.doc_id is None and body.namespace is None:
             raise ApiError(400, "give a doc_id or a namespace (POST /admin/clear drops everything)")
-        n = llm.invalidate(doc_id=body.doc_id, namespace=body.namespace, version=body.version)
+        n = await on_engine(lambda: llm.invalidate(doc_id=body.doc_id, namespace=body.namespace, version=body.version))
         return {"invalidated": n}
 
     @app.post("/admin/clear", dependencies=[Depends(auth)])
     async def admin_clear():
-        llm.clear_cache()
+        await on_engine(llm.clear_cache)
         return {"cleared": True}
 
     return app
