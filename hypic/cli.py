@@ -65,6 +65,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-transport", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--worker-timeout", type=float, default=120.0,
                    help="seconds a cold prefill waits for the workers before prefilling their share itself")
+    p.add_argument("--worker-restarts", type=int, default=3,
+                   help="times a spawned worker that died is started again (0: never)")
     p.add_argument("--rendezvous", default="", help="HOST:PORT where workers started by hand (`hypic worker`) "
                                                     "connect; without it workers are spawned here")
 
@@ -75,7 +77,8 @@ def _parallel(a: argparse.Namespace):
     host, port = _host_port(a.rendezvous) if a.rendezvous else ("127.0.0.1", 0)
     devices = tuple(d for d in a.worker_devices.split(",") if d)
     return ParallelConfig(workers=a.workers, devices=devices, spawn=not a.rendezvous, host=host, port=port,
-                          transport=a.worker_transport, timeout_s=a.worker_timeout, threads=a.worker_threads)
+                          transport=a.worker_transport, timeout_s=a.worker_timeout, threads=a.worker_threads,
+                          restarts=a.worker_restarts)
 
 
 def _host_port(text: str) -> tuple[str, int]:

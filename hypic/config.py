@@ -938,6 +938,8 @@ class ParallelConfig:
                                        # prompt order, equal counts: the baseline LPT is measured against)
     chunk_tokens: int = 16384          # a worker prefills its share in batches of about this many tokens, sending each
                                        # batch's entries as soon as they are built
+    restarts: int = 3                  # a spawned worker that dies is started again (its model loaded anew, then every
+                                       # rank joins a new group between two prefills) at most this many times; 0: never
 
     def __post_init__(self):
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -957,6 +959,8 @@ class ParallelConfig:
             raise ConfigError(f"unknown placement {self.placement!r}; use 'lpt' or 'count'")
         if self.threads < 0 or self.chunk_tokens < 1:
             raise ConfigError("threads must be >= 0 and chunk_tokens >= 1")
+        if not isinstance(self.restarts, int) or self.restarts < 0:
+            raise ConfigError(f"restarts must be an integer >= 0, got {self.restarts!r}")
 
     @property
     def enabled(self) -> bool:

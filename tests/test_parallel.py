@@ -208,16 +208,16 @@ def test_anchored_segments_stay_on_rank_zero(reference):
         reference.clear_cache()
 
 
-def _faulty(fault, timeout_s=60.0) -> LLM:
+def _faulty(fault, timeout_s=60.0, restarts=0, workers=2) -> LLM:
     llm = LLM("tiny-qwen3.5")
-    cfg = llm.config.replace(parallel=_par(2, timeout_s=timeout_s))
+    cfg = llm.config.replace(parallel=_par(workers, timeout_s=timeout_s, restarts=restarts))
     llm.engine.workers = SegmentWorkers(llm.engine.loaded, cfg, faults={1: fault})
     return llm
 
 
 def test_a_worker_that_dies_is_replaced_by_rank_zero(reference):
     """The worker exits on its first order: rank 0 notices (its process is gone), prefills those segments itself,
-    and gives the dead worker nothing more; outputs are unchanged."""
+    and (restarts=0) gives the dead worker nothing more; outputs are unchanged."""
     p, q = _prompt(11), _prompt(12)
     llm = _faulty({"at": 0, "do": "exit"})
     try:
@@ -228,6 +228,36 @@ def test_a_worker_that_dies_is_replaced_by_rank_zero(reference):
         assert st["dead"] == [1] and st["ready"] == [] and st["fallback_segments"] >= 1
         _same(llm.generate([q], SP)[0], reference.generate([q], SP)[0])
         assert llm.parallel_stats()["orders"] == 1
+    finally:
+        llm.close()
+
+
+def test_a_worker_that_dies_is_started_again(reference):
+    """Three ranks; worker 1 exits on its first order. Rank 0 prefills its segments, starts it again at the next
+    prefill (its model loads meanwhile; worker 2 goes on serving in the old group), and once it is up all ranks move
+    to a new group: later prefills use both workers again, outputs unchanged; the metrics count the restart."""
+    llm = _faulty({"at": 0, "do": "exit"}, restarts=1, workers=3)
+    try:
+        p = _prompt(31)
+        _same(llm.generate([p], SP)[0], reference.generate([p], SP)[0])
+        st = llm.parallel_stats()
+        assert st["dead"] == [1] and st["fallback_segments"] >= 1 and st["generation"] == 0
+        deadline, seed = time.monotonic() + 120, 40
+        while llm.parallel_stats()["generation"] == 0:
+            assert time.monotonic() < deadline, llm.parallel_stats()
+            q = _prompt(seed)                            # every prefill gives rank 0 a chance to start / regroup
+            _same(llm.generate([q], SP)[0], reference.generate([q], SP)[0])
+            seed += 1
+            time.sleep(0.5)
+        st = llm.parallel_stats()
+        assert st["restarts"] == 1 and st["ready"] == [1, 2] and st["dead"] == [] and st["restarting"] == []
+        before = st["remote_segments"]
+        r = _prompt(90, lengths=(60, 50, 40, 30, 20, 10))
+        _same(llm.generate([r], SP)[0], reference.generate([r], SP)[0])
+        st = llm.parallel_stats()
+        assert st["remote_segments"] >= before + 2 and st["orders"] >= 3
+        _metrics_show(llm, "hypic_parallel_restarts_total 1.0", 'hypic_parallel_workers{state="ready"} 2.0',
+                      'hypic_parallel_workers{state="restarting"} 0.0')
     finally:
         llm.close()
 

@@ -23,6 +23,13 @@ Messages (rank 0 <-> worker r, in order per pair):
 The receiver thread posts one receive from any source at a time; a worker that dies or stalls does not block it, and
 a late worker's entries, when they come, are recognised by their order seq and dropped; until then the worker is
 given no new order.
+
+Restarts (spawned workers, `ParallelConfig.restarts`): a process group cannot take a rank back, so the ranks move to a
+new one. At the start of a prefill rank 0 starts a new process for each worker that died (its model loads in the
+background; the others go on serving); once every rank is up and none owes entries, rank 0 sends the live workers
+REGROUP, each acknowledges over the old group and all ranks build the groups of the next generation (store prefixes
+ctl/<gen>, data/<gen>). A worker that failed mid-message (alive but cut off) is stopped and started again the same
+way. If forming the new group fails, every worker is stopped and rank 0 prefills alone from then on.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from .placement import chunks, lpt, round_robin, segment_cost
 
 log = logging.getLogger("hypic.parallel")
 
-ORDER, STOP, ENTRY, ERROR = 1, 2, 3, 4
+ORDER, STOP, ENTRY, ERROR, REGROUP = 1, 2, 3, 4, 5
 TAG_HDR, TAG_META, TAG_DATA = 11, 12, 13
 _FOREVER = datetime.timedelta(days=3650)
 
@@ -60,9 +67,9 @@ def _store(pc: ParallelConfig, master: bool, port: int | None = None):
                          timeout=datetime.timedelta(seconds=pc.startup_timeout_s), wait_for_workers=False)
 
 
-def _groups(store, rank: int, pc: ParallelConfig, transport: str, timeout: datetime.timedelta):
-    """(control, data) process groups of this rank, made directly (no default group: the user's own use of
-    torch.distributed in this process is left alone)."""
+def _groups(store, rank: int, pc: ParallelConfig, transport: str, timeout: datetime.timedelta, gen: int = 0):
+    """(control, data) process groups of this rank in generation `gen`, made directly (no default group: the user's
+    own use of torch.distributed in this process is left alone)."""
     import torch.distributed as dist
 
     opts = dist.ProcessGroupGloo._Options()
@@ -72,12 +79,12 @@ def _groups(store, rank: int, pc: ParallelConfig, transport: str, timeout: datet
     local = pc.spawn or pc.host in ("127.0.0.1", "localhost", "::1")
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if local
                      else dist.ProcessGroupGloo.create_default_device()]
-    ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", store), rank, pc.workers, opts)
+    ctl = dist.ProcessGroupGloo(dist.PrefixStore(f"ctl/{gen}", store), rank, pc.workers, opts)
     if transport == "gloo":
         return ctl, ctl
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return ctl, dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, pc.workers, opts)
+    return ctl, dist.ProcessGroupNCCL(dist.PrefixStore(f"data/{gen}", store), rank, pc.workers, opts)
 
 
 def _send(ctl, data, dst: int, kind: int, rank: int, seq: int, desc: dict | None = None,
@@ -108,6 +115,7 @@ class WorkerStats:
     late_entries: int = 0              # entries that came after their deadline (dropped)
     received_bytes: int = 0
     errors: int = 0                    # orders a worker answered with an error
+    restarts: int = 0                  # workers started again after they died, now serving
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -121,6 +129,9 @@ class _Worker:
     pending: int = 0                   # entries of orders not yet answered (by an entry or an error)
     dead: bool = False
     late_seqs: set = field(default_factory=set)
+    incarnation: int = 0               # how many times this rank's process was started again
+    loading: object | None = None      # its next process, loading the model (not yet in the group)
+    loaded: bool = False               # that process has said hello with the right fingerprint
 
     @property
     def usable(self) -> bool:
@@ -143,29 +154,42 @@ class SegmentWorkers:
         self._seq = 0
         self._closed = False
         self._q: queue.Queue = queue.Queue()
-        source = loaded.source
-        if pc.spawn and not (Path(source).is_dir() or _is_preset(source)):
-            raise WorkerError(f"workers load the model themselves; {source!r} is neither a preset nor a directory")
+        self.gen = 0                                    # the groups' generation (restarts move every rank to a new one)
+        self._acks: dict[int, set] = {}                 # generation -> workers whose REGROUP ack its receiver awaits
+        self._old: list = []                            # earlier generations' groups (their receivers may still wait)
+        self._source, self._config, self._fingerprint = loaded.source, config, loaded.fingerprint
+        if pc.spawn and not (Path(self._source).is_dir() or _is_preset(self._source)):
+            raise WorkerError(f"workers load the model themselves; {self._source!r} is neither a preset nor a directory")
         self._store = _store(pc, master=True)
         self.port = self._store.port
+        self._procs: list = []                          # every process started (the finalizer stops them)
         if pc.spawn:
-            ctx = multiprocessing.get_context("spawn")
             for w in self.workers:
-                wcfg = config.replace(device=w.device, parallel=ParallelConfig())
-                fault = (faults or {}).get(w.rank)
-                w.proc = ctx.Process(target=serve, args=(source, wcfg, w.rank, pc, self.port, fault), daemon=True,
-                                     name=f"hypic-worker-{w.rank}")
-                w.proc.start()
-        self._finalizer = weakref.finalize(self, _terminate, [w.proc for w in self.workers if w.proc is not None])
+                w.proc = self._spawn(w, (faults or {}).get(w.rank))
+        self._finalizer = weakref.finalize(self, _terminate, self._procs)
         try:
             self._handshake(loaded.fingerprint)
             self.ctl, self.data = _groups(self._store, 0, pc, self.transport, datetime.timedelta(seconds=pc.timeout_s))
         except BaseException:
-            self._store.set("go", "stop")
+            self._store.set("go/0", "stop")
             self._finalizer()
             raise
-        self._rx = threading.Thread(target=self._receive, name="hypic-parallel-rx", daemon=True)
-        self._rx.start()
+        self._rx = self._start_receiver()
+
+    def _spawn(self, w: _Worker, fault: dict | None = None):
+        ctx = multiprocessing.get_context("spawn")
+        wcfg = self._config.replace(device=w.device, parallel=ParallelConfig())
+        proc = ctx.Process(target=serve, args=(self._source, wcfg, w.rank, self.pc, self.port, fault, w.incarnation),
+                           daemon=True, name=f"hypic-worker-{w.rank}" + (f".{w.incarnation}" if w.incarnation else ""))
+        proc.start()
+        self._procs.append(proc)
+        return proc
+
+    def _start_receiver(self) -> threading.Thread:
+        rx = threading.Thread(target=self._receive, args=(self.ctl, self.gen), name=f"hypic-parallel-rx-{self.gen}",
+                              daemon=True)
+        rx.start()
+        return rx
 
     # -- start-up ---------------------------------------------------------------------------------
     def _handshake(self, fingerprint: str) -> None:
@@ -176,8 +200,8 @@ class SegmentWorkers:
             for w in self.workers:
                 if w.rank in hello:
                     continue
-                if self._store.check([f"hello/{w.rank}"]):
-                    hello[w.rank] = json.loads(self._store.get(f"hello/{w.rank}"))
+                if self._store.check([f"hello/{w.rank}/0"]):
+                    hello[w.rank] = json.loads(self._store.get(f"hello/{w.rank}/0"))
                 elif w.proc is not None and not w.proc.is_alive():
                     raise WorkerError(f"worker {w.rank} exited with code {w.proc.exitcode} before it joined")
             if time.monotonic() > deadline:
@@ -191,39 +215,51 @@ class SegmentWorkers:
             if h["fingerprint"] != fingerprint:
                 raise WorkerError(f"worker {r} holds another model (fingerprint {h['fingerprint']} != {fingerprint}): "
                                   "same source, dtype, seed and load format on every rank")
-        self._store.set("go", "run")
+        self._store.set("go/0", "run")
 
     # -- the receiver thread ----------------------------------------------------------------------
-    def _receive(self) -> None:
-        """Takes whatever any worker sends, in the order it comes, and hands it to the main thread."""
+    def _receive(self, ctl, gen: int) -> None:
+        """Takes whatever any worker sends over generation `gen`'s group, in the order it comes, and hands it to the
+        main thread (tagged with gen). Ends when the group breaks, or after a regroup once every worker that was live
+        in it has acknowledged."""
         while not self._closed:
             hdr = torch.zeros(4, dtype=torch.int64)
             try:
-                self.ctl.recv_anysource([hdr], TAG_HDR).wait(_FOREVER)
+                ctl.recv_anysource([hdr], TAG_HDR).wait(_FOREVER)
             except Exception as e:                      # the group is gone (close) or broken
                 if not self._closed:
-                    self._q.put(("broken", 0, 0, repr(e), None))
+                    self._q.put(("broken", 0, 0, repr(e), None, gen))
                 return
             kind, rank, seq, n = (int(x) for x in hdr.tolist())
+            if kind == REGROUP:                          # a worker leaves this group for the next one
+                waiting = self._acks.get(gen)
+                if waiting is not None:
+                    waiting.discard(rank)
+                    if not waiting:
+                        return
+                continue
             try:
-                desc = _recv_desc(self.ctl, rank, n)
+                desc = _recv_desc(ctl, rank, n)
                 payload = None
                 if kind == ENTRY:
-                    payload = self._recv_payload(rank, desc["entry"]["nbytes"])
+                    payload = self._recv_payload(rank, desc["entry"]["nbytes"], gen)
             except Exception as e:                      # the worker died in the middle of a message
-                self._q.put(("dead", rank, seq, repr(e), None))
+                self._q.put(("dead", rank, seq, repr(e), None, gen))
                 continue
-            self._q.put((kind, rank, seq, desc, payload))
+            self._q.put((kind, rank, seq, desc, payload, gen))
 
-    def _recv_payload(self, rank: int, nbytes: int):
+    def _recv_payload(self, rank: int, nbytes: int, gen: int):
+        data = self.data if gen == self.gen else None
+        if data is None:
+            raise WorkerError(f"an entry from generation {gen} after the move to {self.gen}")
         if self.transport == "gloo":
             buf = torch.empty(nbytes, dtype=torch.uint8)
-            self.data.recv([buf], rank, TAG_DATA).wait()
+            data.recv([buf], rank, TAG_DATA).wait()
             return buf
         stream = torch.cuda.Stream(self.device)             # this thread's own stream; the main thread waits on
         with torch.cuda.stream(stream):                     # the event before it reads the bytes
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.data.recv([buf], rank, TAG_DATA).wait()
+            data.recv([buf], rank, TAG_DATA).wait()
             event = torch.cuda.Event()
             event.record(stream)
         return buf, event, stream
@@ -245,6 +281,7 @@ class SegmentWorkers:
         n = len(slots)
         entries: list = [None] * n
         self._drain(0.0)
+        self._restart()
         ready = [w for w in self.workers if w.usable]
         movable = [i for i in range(n) if starts[i] is None]
         tokens = [len(s.anchor) + len(s.tokens) for s in slots]
@@ -281,7 +318,7 @@ class SegmentWorkers:
             if left <= 0:
                 break
             try:
-                kind, rank, s, desc, payload = self._q.get(timeout=min(left, 0.05))
+                kind, rank, s, desc, payload, gen = self._q.get(timeout=min(left, 0.05))
             except queue.Empty:                          # a spawned worker that died between messages sends nothing
                 for r, idx in orders.items():
                     w = self.workers[r - 1]
@@ -290,7 +327,9 @@ class SegmentWorkers:
                         w.dead = True
                         want -= set(idx)
                 continue
-            self._note(kind, rank, s, desc, payload)
+            if gen != self.gen:
+                continue
+            self._note(kind, rank, s, desc, payload, gen)
             if kind == "broken":
                 want.clear()
             elif kind == "dead":
@@ -322,8 +361,10 @@ class SegmentWorkers:
             self.stats.fallback_segments += len(missing)
         return entries
 
-    def _note(self, kind, rank: int, seq: int, desc, payload) -> None:
-        """Bookkeeping of one message from a worker, whichever order it belongs to."""
+    def _note(self, kind, rank: int, seq: int, desc, payload, gen: int) -> None:
+        """Bookkeeping of one message from a worker, whichever order it belongs to (an earlier generation's: none)."""
+        if gen != self.gen:
+            return
         w = self.workers[rank - 1] if 1 <= rank <= len(self.workers) else None
         if kind == "broken":
             log.error("segment-parallel receiver stopped (%s); later cold prefills stay on rank 0", desc)
@@ -357,12 +398,83 @@ class SegmentWorkers:
                 return
             self._note(*item)
 
+    # -- restarts ---------------------------------------------------------------------------------
+    def _restart(self) -> None:
+        """Starts a spawned worker that died again (its model loads in the background), and once every rank is up
+        and no worker owes entries, moves all ranks to a new group (_regroup). Engine thread, between prefills."""
+        if not self.pc.spawn or self._closed or self.pc.restarts == 0:
+            return
+        for w in self.workers:
+            if w.loading is not None:
+                if not w.loaded and self._store.check([f"hello/{w.rank}/{w.incarnation}"]):
+                    h = json.loads(self._store.get(f"hello/{w.rank}/{w.incarnation}"))
+                    if h.get("error") or h.get("fingerprint") != self._fingerprint:
+                        log.error("worker %d could not start again (%s); it stays out", w.rank,
+                                  h.get("error") or "another model")
+                        w.loading.terminate()
+                        w.loading = None
+                        continue
+                    w.loaded = True
+                elif not w.loading.is_alive():
+                    log.warning("worker %d exited (code %s) while loading", w.rank, w.loading.exitcode)
+                    w.loading = None
+                continue
+            if w.dead and w.proc is not None and w.proc.is_alive():
+                w.proc.terminate()                      # cut off mid-message: it gets no orders; start it anew
+                w.proc.join(5)
+            if w.proc is not None and not w.proc.is_alive() and w.incarnation < self.pc.restarts:
+                w.dead = True
+                w.incarnation += 1
+                w.loaded = False
+                w.loading = self._spawn(w)
+                log.warning("worker %d exited (code %s); starting it again (%d of %d)", w.rank, w.proc.exitcode,
+                            w.incarnation, self.pc.restarts)
+        back = [w for w in self.workers if w.loading is not None]
+        if not back or not all(w.loaded for w in back):
+            return
+        stay = [w for w in self.workers if w.loading is None]
+        if any(w.dead or not w.proc.is_alive() or w.pending > 0 for w in stay):
+            return                                      # a rank that will not come back, or one that owes entries
+        self._regroup(stay, back)
+
+    def _regroup(self, stay: list, back: list) -> None:
+        g = self.gen + 1
+        self._acks[self.gen] = {w.rank for w in stay}
+        try:
+            for w in stay:
+                _send(self.ctl, self.data, w.rank, REGROUP, 0, 0, {"gen": g})
+            for w in back:
+                self._store.set(f"join/{w.rank}/{w.incarnation}", str(g))
+            self._store.set(f"go/{g}", "run")
+            ctl, data = _groups(self._store, 0, self.pc, self.transport,
+                                datetime.timedelta(seconds=self.pc.startup_timeout_s), g)
+        except Exception as e:
+            log.error("segment-parallel workers could not form a new group (%r); rank 0 prefills alone from now", e)
+            self._store.set(f"go/{g}", "stop")
+            for w in self.workers:
+                w.dead = True
+                for proc in (w.proc, w.loading):
+                    if proc is not None and proc.is_alive():
+                        proc.terminate()
+                w.loading = None
+            return
+        self._old.append((self.ctl, self.data))
+        self.gen, self.ctl, self.data = g, ctl, data
+        for w in back:
+            w.proc, w.loading, w.loaded, w.dead, w.pending = w.loading, None, False, False, 0
+            w.late_seqs.clear()
+        self.stats.restarts += len(back)
+        self._rx = self._start_receiver()
+        log.warning("workers %s started again; all ranks moved to group generation %d", [w.rank for w in back], g)
+
     # -- state and shutdown -----------------------------------------------------------------------
     def describe(self) -> dict:
         return {"workers": self.pc.workers, "transport": self.transport,
                 "ready": [w.rank for w in self.workers if w.usable],
                 "dead": [w.rank for w in self.workers if w.dead or (w.proc is not None and not w.proc.is_alive())],
-                "late": [w.rank for w in self.workers if not w.dead and w.pending > 0], **self.stats.as_dict()}
+                "late": [w.rank for w in self.workers if not w.dead and w.pending > 0],
+                "restarting": [w.rank for w in self.workers if w.loading is not None], "generation": self.gen,
+                **self.stats.as_dict()}
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stops every live worker (they exit their loop) and the receiver; idempotent."""
@@ -375,10 +487,12 @@ class SegmentWorkers:
                 except Exception:
                     pass
         self._closed = True
-        deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            if w.proc is not None:
-                w.proc.join(max(0.0, deadline - time.monotonic()))
+            if w.loading is not None:                   # still loading, or waiting to join: told to stop
+                self._store.set(f"join/{w.rank}/{w.incarnation}", "stop")
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()
 
 
@@ -399,15 +513,27 @@ def _is_preset(source: str) -> bool:
 
 
 # -- the worker's side --------------------------------------------------------------------------------
+def _await_key(store, key: str) -> str | None:
+    """The value of `key` once rank 0 sets it; None when rank 0 is gone (a spawned worker's parent, or the store)."""
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            if store.check([key]):
+                return store.get(key).decode()
+        except Exception:
+            return None
+        if parent is not None and not parent.is_alive():
+            return None
+        time.sleep(0.05)
+
+
 def serve(source: str, config: EngineConfig, rank: int, pc: ParallelConfig, port: int | None = None,
-          fault: dict | None = None) -> None:
+          fault: dict | None = None, incarnation: int = 0) -> None:
     """One worker: load the model, report to rank 0, then prefill orders until told to stop (or rank 0 is gone).
     config.device is this worker's device. fault: test-only misbehaviour on its k-th order (from 0), {"at": k,
-    "do": "exit" | "sleep" | "raise", "seconds": s}."""
+    "do": "exit" | "sleep" | "raise", "seconds": s}. incarnation > 0: this rank started again after it died; it
+    joins the group generation rank 0 names once every rank is up."""
     from ..models.loader import load_model
-    from ..plan.planner import SegmentSlot
-    from .isolated import prefill_segments
-    from ..cache.wire import pack
 
     if pc.threads:
         torch.set_num_threads(pc.threads)
@@ -416,30 +542,48 @@ def serve(source: str, config: EngineConfig, rank: int, pc: ParallelConfig, port
         if config.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(config.device))
         loaded = load_model(source, config)
-        store.set(f"hello/{rank}", json.dumps({"fingerprint": loaded.fingerprint, "device": config.device}))
+        store.set(f"hello/{rank}/{incarnation}", json.dumps({"fingerprint": loaded.fingerprint,
+                                                              "device": config.device}))
     except Exception as e:
-        store.set(f"hello/{rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        store.set(f"hello/{rank}/{incarnation}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
         return
-    try:
-        go = store.get("go").decode()
-    except Exception:                         # rank 0 refused the group and is gone already
+    gen = _await_key(store, f"join/{rank}/{incarnation}") if incarnation else "0"
+    if gen is None or gen == "stop":
         return
-    if go != "run":
-        return
+    gen = int(gen)
+    state = {"done_orders": 0}
+    while gen is not None:
+        if _await_key(store, f"go/{gen}") != "run":       # rank 0 refused the group or is gone
+            return
+        gen = _serve_group(store, rank, pc, config, loaded, gen, fault, state)
+
+
+def _serve_group(store, rank: int, pc: ParallelConfig, config: EngineConfig, loaded, gen: int, fault, state) -> int | None:
+    """Orders over generation `gen`'s groups until STOP or rank 0 is gone (None), or REGROUP (the next generation)."""
+    from ..plan.planner import SegmentSlot
+    from .isolated import prefill_segments
+    from ..cache.wire import pack
+
     device = torch.device(config.device)
     transport = pc.data_transport(config.device)
-    ctl, data = _groups(store, rank, pc, transport, _FOREVER)
-    done_orders = 0
+    ctl, data = _groups(store, rank, pc, transport, _FOREVER, gen)
     while True:
         hdr = torch.zeros(4, dtype=torch.int64)
         try:
             ctl.recv([hdr], 0, TAG_HDR).wait()
         except Exception:                     # rank 0 is gone
-            return
+            return None
         kind, _, seq, n = (int(x) for x in hdr.tolist())
         if kind == STOP:
-            return
+            return None
         order = _recv_desc(ctl, 0, n)
+        if kind == REGROUP:
+            try:
+                _send(ctl, data, 0, REGROUP, rank, 0)    # wakes rank 0's receiver of this generation, which then ends
+            except Exception:
+                return None
+            return int(order["gen"])
+        done_orders = state["done_orders"]
         faulty = bool(fault) and done_orders == fault.get("at", 0)
         if faulty:
             if fault["do"] == "exit":
@@ -468,5 +612,5 @@ def serve(source: str, config: EngineConfig, rank: int, pc: ParallelConfig, port
             try:
                 _send(ctl, data, 0, ERROR, rank, seq, {"missing": missing, "error": f"{type(e).__name__}: {e}"})
             except Exception:
-                return
-        done_orders += 1
+                return None
+        state["done_orders"] = done_orders + 1

@@ -65,8 +65,9 @@ class _StateCollector:
         par = self.llm.parallel_stats()
         if par is not None:                     # segment-parallel cold prefill (hypic/prefill/parallel.py)
             workers = GaugeMetricFamily("hypic_parallel_workers", "Segment-parallel workers by state (ready: gets "
-                                        "orders; late: owes entries past a deadline; dead: gets none)", labels=["state"])
-            for state in ("ready", "late", "dead"):
+                                        "orders; late: owes entries past a deadline; dead: gets none; restarting: "
+                                        "its new process is loading)", labels=["state"])
+            for state in ("ready", "late", "dead", "restarting"):
                 workers.add_metric([state], len(par[state]))
             segs = CounterMetricFamily("hypic_parallel_segments", "Cold segments by where they were prefilled (local: "
                                        "rank 0's share, remote: a worker, fallback: rank 0 after a worker failed or "
@@ -79,3 +80,5 @@ class _StateCollector:
                                       value=par["received_bytes"])
             yield CounterMetricFamily("hypic_parallel_errors", "Orders a worker answered with an error",
                                       value=par["errors"])
+            yield CounterMetricFamily("hypic_parallel_restarts", "Workers started again after they died (now serving)",
+                                      value=par["restarts"])
