@@ -21,8 +21,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import MultiHeadLatentAttention
-from ..layers.rope import Rotary
 from . import kimi_linear
+from .base import Backbone, CausalLM
 from .kimi_linear import KimiLinearForCausalLM
 
 
@@ -84,14 +84,11 @@ class BailingLatentAttention(MultiHeadLatentAttention):
         return self.o_proj((out.view(n, self.nh, self.vd) * g[..., None]).reshape(n, -1))
 
 
-class Backbone(kimi_linear.Backbone):
-    def __init__(self, cfg: ModelConfig, ops):
-        rotary = Rotary(cfg, cfg.params.qk_rope_head_dim, dict(cfg.params.rope_parameters))
-        super().__init__(cfg, ops, full=lambda c, i, o: BailingLatentAttention(c, i, o, rotary),
-                         linear=BailingDeltaAttention)
-        self.rotary = rotary
+def _layer(cfg: ModelConfig, i: int, ops, rotary):
+    return kimi_linear.DecoderLayer(cfg, i, ops, rotary, full=BailingLatentAttention, linear=BailingDeltaAttention)
 
 
 class BailingHybridForCausalLM(KimiLinearForCausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super(KimiLinearForCausalLM, self).__init__(cfg, Backbone(cfg, ops))
+        p = cfg.params
+        CausalLM.__init__(self, cfg, Backbone(cfg, ops, _layer, p.qk_rope_head_dim, p.rope_parameters))

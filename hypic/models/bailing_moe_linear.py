@@ -23,9 +23,8 @@ from ..layers.attention import RopeAttention
 from ..layers.lightning import BailingLinearAttention
 from ..layers.mlp import MLP, Experts, Router
 from ..layers.norm import ScaledRMSNorm
-from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM
+from .base import Backbone, CausalLM
 
 
 class BailingAttention(RopeAttention):
@@ -105,16 +104,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        p = cfg.params
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg, p.rotary_dim, dict(p.rope_parameters))      # one table for both layer kinds
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
-        self.norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class BailingMoeLinearForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        p = cfg.params
+        super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, p.rotary_dim, p.rope_parameters))

@@ -4,19 +4,42 @@ to restore per-layer states without knowing the family."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..layers.norm import ScaledRMSNorm
+from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
+
+
+class Backbone(nn.Module):
+    """What every family's base model holds, in this order: `embed_tokens`, the one `rotary` table its attention
+    layers share (rotary_dim 0: NoPE, none), `layers` (layer(cfg, i, ops, rotary) for each index), and the final
+    norm under the checkpoint's name (`norm`, `final_layernorm`, `embedding_norm`; ScaledRMSNorm unless `norm`
+    makes another). The order is the parameters' order, in which dummy weights are drawn."""
+
+    def __init__(self, cfg: ModelConfig, ops, layer: Callable, rotary_dim: int = 0, rope: tuple = (),
+                 norm_name: str = "norm", norm: Callable | None = None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = Rotary(cfg, rotary_dim, dict(rope)) if rotary_dim else None
+        self.layers = nn.ModuleList(layer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
+        self.norm_name = norm_name
+        self.add_module(norm_name, norm() if norm is not None else ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.norm_name)(h)
 
 
 class CausalLM(nn.Module):
     """forward(batch) -> fp32 logits [M, vocab] for the rows batch.logits_index names.
 
-    Subclasses pass their backbone: a module with `embed_tokens`, `layers` (each with a
-    `state_mixer` property: its LinearMixer / AttentionMixer, None for a block without state) and
-    `norm`. The LM head (tied to the embeddings when the config says so) is built here."""
+    Subclasses pass their backbone (a `Backbone`): `embed_tokens`, `layers` (each with a `state_mixer` property: its
+    LinearMixer / AttentionMixer, None for a block without state; or `state_mixers`) and the final norm. The LM head
+    (tied to the embeddings when the config says so) is built here."""
 
     def __init__(self, cfg: ModelConfig, backbone: nn.Module):
         super().__init__()
@@ -59,7 +82,7 @@ class CausalLM(nn.Module):
 
     def head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The final norm and the LM head on the rows that return logits."""
-        h = self.model.norm(h[batch.logits_index])
+        h = self.model.final_norm(h[batch.logits_index])
         return self.lm_head(h).float()
 
     def dummy_init(self, name: str, p: torch.Tensor, generator: torch.Generator) -> bool:

@@ -86,7 +86,6 @@ def qwen3_next(tensors: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-
 def _rename(tensors: dict, rules) -> dict:
     out = {}
     for name, t in tensors.items():

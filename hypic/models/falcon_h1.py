@@ -22,9 +22,8 @@ from ..config import ModelConfig
 from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.norm import ScaledRMSNorm
-from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM
+from .base import Backbone, CausalLM
 
 
 class FalconGatedNorm(nn.Module):
@@ -127,23 +126,10 @@ class DecoderLayer(nn.Module):
         return h + self.feed_forward(self.pre_ff_layernorm(h))
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        p = cfg.params
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg, p.head_dim, dict(p.rope_parameters))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
-        self.final_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    @property
-    def norm(self):
-        return self.final_layernorm
-
-
 class FalconH1ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        p = cfg.params
+        super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, p.head_dim, p.rope_parameters, "final_layernorm"))
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.embed_tokens(batch.input_ids) * self.config.params.embedding_multiplier

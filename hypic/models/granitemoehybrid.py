@@ -17,9 +17,8 @@ from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer, mamba2_dummy_init
 from ..layers.mlp import TopKMoe
 from ..layers.norm import ScaledRMSNorm
-from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM
+from .base import Backbone, CausalLM
 
 
 class SharedMLP(nn.Module):
@@ -64,19 +63,11 @@ class DecoderLayer(nn.Module):
         return h + y * self.residual_multiplier
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        p = cfg.params
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg, p.head_dim, dict(p.rope_parameters)) if p.rope_parameters else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
-        self.norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class GraniteMoeHybridForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        p = cfg.params
+        super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, p.head_dim if p.rope_parameters else 0,
+                                       p.rope_parameters))
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.embed_tokens(batch.input_ids) * self.config.params.embedding_multiplier

@@ -13,11 +13,11 @@ from ..layers.mamba1 import Mamba1Mixer
 from ..layers.mlp import MLP, TopKMoe
 from ..layers.norm import ScaledRMSNorm
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM
+from .base import Backbone, CausalLM
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, ops):
+    def __init__(self, cfg: ModelConfig, i: int, ops, rotary=None):
         super().__init__()
         p = cfg.params
         if cfg.layer_types[i] == FULL:
@@ -37,21 +37,9 @@ class DecoderLayer(nn.Module):
         return h + self.feed_forward(self.pre_ff_layernorm(h))
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
-        self.final_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    @property
-    def norm(self):
-        return self.final_layernorm
-
-
 class JambaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, norm_name="final_layernorm"))
 
     def dummy_init(self, name, p, generator) -> bool:
         if name.endswith("A_log"):                       # S4D-real: A[d, n] = n + 1

@@ -14,7 +14,7 @@ from ..layers.mla import MultiHeadLatentAttention
 from ..layers.mlp import MLP, Experts
 from ..layers.norm import ScaledRMSNorm
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM, uniform
+from .base import Backbone, CausalLM, uniform
 
 
 class KimiRouter(nn.Module):
@@ -42,12 +42,14 @@ class KimiMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """full / linear: the mixers' constructors, (cfg, layer index, ops) -> mixer (Ling 3.0 passes its own)."""
+    """full / linear: the mixers' constructors, (cfg, layer index, ops[, rotary]) -> mixer (Ling 3.0 passes its own;
+    Kimi-Linear's MLA is NoPE: rotary None)."""
 
-    def __init__(self, cfg: ModelConfig, i: int, ops, full=MultiHeadLatentAttention, linear=KimiDeltaAttention):
+    def __init__(self, cfg: ModelConfig, i: int, ops, rotary=None, full=MultiHeadLatentAttention,
+                 linear=KimiDeltaAttention):
         super().__init__()
         p = cfg.params
-        self.self_attn = full(cfg, i, ops) if cfg.layer_types[i] == FULL else linear(cfg, i, ops)
+        self.self_attn = full(cfg, i, ops, rotary) if cfg.layer_types[i] == FULL else linear(cfg, i, ops)
         self.mlp = KimiMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
         self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -61,17 +63,9 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops, full=MultiHeadLatentAttention, linear=KimiDeltaAttention):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, full, linear) for i in range(cfg.num_layers))
-        self.norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class KimiLinearForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        super().__init__(cfg, Backbone(cfg, ops, DecoderLayer))
 
     def dummy_init(self, name, p, generator) -> bool:
         if name.endswith("A_log"):                      # fla's init: A in [1, 16]

@@ -14,10 +14,9 @@ from ..config import FULL, ModelConfig
 from ..layers.attention import RopeAttention
 from ..layers.mlp import Experts, Router
 from ..layers.norm import ScaledRMSNorm
-from ..layers.rope import Rotary
 from ..layers.short_conv import ShortConv
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM
+from .base import Backbone, CausalLM
 
 
 class Lfm2Attention(RopeAttention):
@@ -97,23 +96,10 @@ class DecoderLayer(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        p = cfg.params
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg, p.head_dim, dict(p.rope_parameters))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
-        self.embedding_norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    @property
-    def norm(self):                    # CausalLM applies `model.norm` before the head
-        return self.embedding_norm
-
-
 class Lfm2ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        p = cfg.params
+        super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, p.head_dim, p.rope_parameters, "embedding_norm"))
 
     def dummy_init(self, name, p, generator) -> bool:
         if name.endswith("expert_bias"):

@@ -12,9 +12,8 @@ from ..layers.attention import Attention
 from ..layers.lightning import LightningAttention
 from ..layers.mlp import Experts, Router
 from ..layers.norm import ScaledRMSNorm
-from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM
+from .base import Backbone, CausalLM
 
 
 class MixtralMoe(nn.Module):
@@ -56,16 +55,7 @@ class DecoderLayer(nn.Module):
         return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        p = cfg.params
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg, p.head_dim, dict(p.rope_parameters))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
-        self.norm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class MiniMaxForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        p = cfg.params
+        super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, p.head_dim, p.rope_parameters))

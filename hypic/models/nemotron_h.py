@@ -13,7 +13,7 @@ from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer, mamba2_dummy_init
 from ..layers.norm import FP32ScaledRMSNorm
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM
+from .base import Backbone, CausalLM
 
 
 class Relu2MLP(nn.Module):
@@ -27,7 +27,7 @@ class Relu2MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, ops):
+    def __init__(self, cfg: ModelConfig, i: int, ops, rotary=None):
         super().__init__()
         p = cfg.params
         self.norm = FP32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -48,17 +48,10 @@ class Block(nn.Module):
         return h + self.mixer(self.norm(h), batch)
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i, ops) for i in range(cfg.num_layers))
-        self.norm = FP32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class NemotronHForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        norm = lambda: FP32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
+        super().__init__(cfg, Backbone(cfg, ops, Block, norm=norm))
 
     def dummy_init(self, name, p, generator) -> bool:
         return mamba2_dummy_init(name, p, generator)

@@ -22,9 +22,8 @@ from ..layers.gdn import GatedDeltaNet
 from ..layers.joined import JoinedWeights
 from ..layers.mlp import MLP
 from ..layers.norm import FP32ScaledRMSNorm, RMSNormGated
-from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM, uniform
+from .base import Backbone, CausalLM, uniform
 
 O_NORM_EPS = 1e-5                       # transformers' OlmoHybridGatedDeltaNet fixes it (not rms_norm_eps)
 
@@ -111,19 +110,12 @@ class DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        p = cfg.params
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg, p.head_dim, dict(p.rope_parameters)) if p.rope_parameters else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
-        self.norm = FP32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class OlmoHybridForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        p = cfg.params
+        norm = lambda: FP32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
+        super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, p.head_dim if p.rope_parameters else 0,
+                                       p.rope_parameters, norm=norm))
 
     def dummy_init(self, name, p, generator) -> bool:
         if name.endswith("A_log"):                        # transformers' init: A uniform in [0, 16]

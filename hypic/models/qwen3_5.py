@@ -15,9 +15,8 @@ from ..layers.attention import GatedAttention
 from ..layers.gdn import GatedDeltaNet
 from ..layers.mlp import MLP, SparseMoe
 from ..layers.norm import RMSNorm
-from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM, uniform
+from .base import Backbone, CausalLM, uniform
 
 
 class DecoderLayer(nn.Module):
@@ -42,19 +41,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        p = cfg.params
-        self.rotary = Rotary(cfg, p.rotary_dim, dict(p.rope_parameters))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-
-
 class HybridForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        p = cfg.params
+        super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, p.rotary_dim, p.rope_parameters,
+                                       norm=lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)))
 
     def dummy_init(self, name, p, generator) -> bool:
         if name.endswith("A_log"):

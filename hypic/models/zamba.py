@@ -26,9 +26,8 @@ from ..layers.mamba1 import MultiHeadMamba1Mixer
 from ..layers.mamba2 import GroupedGatedRMSNorm, Mamba2Mixer, mamba2_dummy_init
 from ..layers.mlp import activation
 from ..layers.norm import ScaledRMSNorm
-from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
-from .base import CausalLM
+from .base import Backbone, CausalLM
 
 EMBEDS = ("zamba", "embeds")        # batch.scratch key: the token embeddings of this forward
 
@@ -179,36 +178,29 @@ class HybridLayer(nn.Module):
         return self.mamba_decoder(h, batch, t)
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        p = cfg.params
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg, p.head_dim, dict(p.rope_parameters)) if p.rope_parameters else None
-        blocks: dict[int, SharedBlock] = {}
-        layers = []
-        for i, kind in enumerate(cfg.layer_types):
-            if kind == PARALLEL:
-                slot = len([j for j in p.hybrid_layer_ids if j < i])
-                bid = slot % p.num_mem_blocks
-                if bid not in blocks:
-                    blocks[bid] = SharedBlock(cfg, bid)
-                layers.append(HybridLayer(cfg, i, ops, self.rotary, blocks[bid], slot))
-            else:
-                layers.append(MambaLayer(cfg, i, ops))
-        self.layers = nn.ModuleList(layers)
-        self.final_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+def _layers(cfg: ModelConfig):
+    """layer(cfg, i, ops, rotary) for the Backbone: Mamba layers, and hybrid layers with the shared block of their
+    turn (a block is made at its first use, so its weights are named under that layer)."""
+    p, blocks = cfg.params, {}
 
-    @property
-    def norm(self):
-        return self.final_layernorm
+    def layer(cfg, i, ops, rotary):
+        if cfg.layer_types[i] != PARALLEL:
+            return MambaLayer(cfg, i, ops)
+        slot = p.hybrid_layer_ids.index(i)
+        bid = slot % p.num_mem_blocks
+        if bid not in blocks:
+            blocks[bid] = SharedBlock(cfg, bid)
+        return HybridLayer(cfg, i, ops, rotary, blocks[bid], slot)
+    return layer
 
 
 class ZambaForCausalLM(CausalLM):
     """Zamba and Zamba2 (the config's arch picks the mixer, the block's MLP and its name)."""
 
     def __init__(self, cfg: ModelConfig, ops):
-        super().__init__(cfg, Backbone(cfg, ops))
+        p = cfg.params
+        super().__init__(cfg, Backbone(cfg, ops, _layers(cfg), p.head_dim if p.rope_parameters else 0,
+                                       p.rope_parameters, "final_layernorm"))
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         e = self.model.embed_tokens(batch.input_ids)
