@@ -24,7 +24,10 @@ from .linear import LinearMixer
 from .norm import ScaledRMSNorm
 
 
-class Mamba1Mixer(LinearMixer):
+class _S6(LinearMixer):
+    """What both Mamba (S6) mixers share: I = expand * hidden channels, in_proj to (x, z), a depthwise conv over x,
+    a state [I, N, 1] per sequence (every channel a value head), out_proj of y * silu(z)."""
+
     form = Form.DIAGONAL
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
@@ -36,14 +39,6 @@ class Mamba1Mixer(LinearMixer):
         self.in_proj = nn.Linear(hs, 2 * self.inner, bias=p.mamba_proj_bias)
         self.conv1d = nn.Conv1d(self.inner, self.inner, self.conv_width, groups=self.inner, bias=p.mamba_conv_bias,
                                 padding=self.conv_width - 1)
-        self.x_proj = nn.Linear(self.inner, self.rank + 2 * self.n, bias=False)
-        self.dt_proj = nn.Linear(self.rank, self.inner, bias=True)
-        self.A_log = nn.Parameter(torch.zeros(self.inner, self.n))
-        self.D = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = nn.Linear(self.inner, hs, bias=p.mamba_proj_bias)
-        self.dt_layernorm = ScaledRMSNorm(self.rank, cfg.rms_norm_eps)
-        self.b_layernorm = ScaledRMSNorm(self.n, cfg.rms_norm_eps)
-        self.c_layernorm = ScaledRMSNorm(self.n, cfg.rms_norm_eps)
 
     @property
     def state_shape(self):
@@ -52,6 +47,23 @@ class Mamba1Mixer(LinearMixer):
     @property
     def conv_dim(self) -> int:
         return self.inner
+
+    def output(self, x, o, f):
+        return self.out_proj((o * F.silu(f["z"].float())).to(x.dtype))
+
+
+class Mamba1Mixer(_S6):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
+        super().__init__(cfg, layer_idx, ops)
+        p = cfg.params
+        self.x_proj = nn.Linear(self.inner, self.rank + 2 * self.n, bias=False)
+        self.dt_proj = nn.Linear(self.rank, self.inner, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(self.inner, self.n))
+        self.D = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=p.mamba_proj_bias)
+        self.dt_layernorm = ScaledRMSNorm(self.rank, cfg.rms_norm_eps)
+        self.b_layernorm = ScaledRMSNorm(self.n, cfg.rms_norm_eps)
+        self.c_layernorm = ScaledRMSNorm(self.n, cfg.rms_norm_eps)
 
     def features(self, x, batch):
         raw, z = self.in_proj(x).chunk(2, dim=-1)
@@ -71,44 +83,25 @@ class Mamba1Mixer(LinearMixer):
         ts = log_decay_transitions(g, cu, Form.DIAGONAL) if summarize else None
         return o, final, ts
 
-    def output(self, x, o, f):
-        return self.out_proj((o * F.silu(f["z"].float())).to(x.dtype))
 
-
-class MultiHeadMamba1Mixer(LinearMixer):
+class MultiHeadMamba1Mixer(_S6):
     """Zamba's Mamba (S6) with `n_mamba_heads` heads: the I channels split into heads of head_dim channels; each head
     has its own x_proj (dt, B and C from its channels) and dt_proj; no dt / B / C norms. in_proj emits (x, z) channel
     pairs, interleaved (transformers' layout, kept as it is). In fla's layout as for Mamba1 (every channel a value head
     with V = 1), with one key head per Mamba head: q = C, k = B of the channel's head; the state is [I, N, 1] and T is
     diagonal. Output: out_proj((y + D x) * silu(z))."""
 
-    form = Form.DIAGONAL
-
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
-        super().__init__(layer_idx, ops)
+        super().__init__(cfg, layer_idx, ops)
         p = cfg.params
-        hs = cfg.hidden_size
-        self.inner, self.n, self.rank = p.mamba_expand * hs, p.mamba_d_state, p.mamba_dt_rank
         self.heads = p.n_mamba_heads
         self.hd = self.inner // self.heads
-        self.conv_width = p.mamba_d_conv
-        self.in_proj = nn.Linear(hs, 2 * self.inner, bias=p.mamba_proj_bias)
-        self.conv1d = nn.Conv1d(self.inner, self.inner, self.conv_width, groups=self.inner, bias=p.mamba_conv_bias,
-                                padding=self.conv_width - 1)
         self.x_proj_weight = nn.Parameter(torch.zeros(self.heads, self.rank + 2 * self.n, self.hd))
         self.dt_proj_weight = nn.Parameter(torch.zeros(self.heads, self.hd, self.rank))
         self.dt_proj_bias = nn.Parameter(torch.zeros(self.heads, self.hd))
         self.A_log = nn.Parameter(torch.zeros(self.heads, self.hd, self.n))
         self.D = nn.Parameter(torch.ones(self.heads, self.hd))
-        self.out_proj = nn.Linear(self.inner, hs, bias=p.mamba_proj_bias)
-
-    @property
-    def state_shape(self):
-        return self.inner, self.n, 1
-
-    @property
-    def conv_dim(self) -> int:
-        return self.inner
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=p.mamba_proj_bias)
 
     def features(self, x, batch):
         xz = self.in_proj(x).view(x.shape[0], self.inner, 2)
@@ -128,9 +121,6 @@ class MultiHeadMamba1Mixer(LinearMixer):
         o = o[0, :, :, 0] + self.D.float().reshape(-1) * conv_out.float()
         ts = log_decay_transitions(g, cu, Form.DIAGONAL) if summarize else None
         return o, final, ts
-
-    def output(self, x, o, f):
-        return self.out_proj((o * F.silu(f["z"].float())).to(x.dtype))
 
     @staticmethod
     def dummy_init(cfg: ModelConfig, name: str, p: torch.Tensor, generator) -> bool:
