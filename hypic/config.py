@@ -940,6 +940,7 @@ class ParallelConfig:
                                        # batch's entries as soon as they are built
     restarts: int = 3                  # a spawned worker that dies is started again (its model loaded anew, then every
                                        # rank joins a new group between two prefills) at most this many times; 0: never
+                                       # (a hand-started worker is taken back whenever its operator starts it again)
 
     def __post_init__(self):
         if not isinstance(self.workers, int) or self.workers < 1:

@@ -363,3 +363,47 @@ def test_hand_started_worker_from_the_command_line(reference):
     bad = subprocess.run([sys.executable, "-m", "hypic.cli", "worker", "--rendezvous", "nowhere", "--rank", "1",
                           "--workers", "2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
+
+
+def test_a_hand_started_worker_started_again_is_taken_back(reference):
+    """Workers on other hosts are started by their operator (`hypic worker`). Worker 1 is killed; rank 0 prefills its
+    share itself; a new `hypic worker` for rank 1 (its start counted in the store) loads, and at a later prefill all
+    ranks move to a new group: the new worker gets orders, outputs unchanged."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "hypic.cli", "worker", "--model", "tiny-qwen3.5", "--rendezvous", f"127.0.0.1:{port}",
+           "--rank", "1", "--workers", "2", "--worker-threads", "1", "--startup-timeout", "120"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+    try:
+        pc = ParallelConfig(workers=2, spawn=False, port=port, startup_timeout_s=120.0, timeout_s=5.0)
+        with LLM("tiny-qwen3.5", parallel=pc) as llm:
+            p = _prompt(61)
+            _same(llm.generate([p], SP)[0], reference.generate([p], SP)[0])
+            assert llm.parallel_stats()["remote_segments"] >= 1
+            procs[0].send_signal(signal.SIGKILL)
+            procs[0].wait(10)
+            q = _prompt(62)
+            _same(llm.generate([q], SP)[0], reference.generate([q], SP)[0])
+            assert llm.parallel_stats()["dead"] == [1]            # found unreachable: its share went to rank 0
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            deadline, seed = time.monotonic() + 120, 70
+            while llm.parallel_stats()["generation"] == 0:
+                assert time.monotonic() < deadline and procs[1].poll() is None, llm.parallel_stats()
+                r = _prompt(seed)
+                _same(llm.generate([r], SP)[0], reference.generate([r], SP)[0])
+                seed += 1
+                time.sleep(0.5)
+            st = llm.parallel_stats()
+            assert st["ready"] == [1] and st["restarts"] == 1
+            before = st["remote_segments"]
+            r = _prompt(95)
+            _same(llm.generate([r], SP)[0], reference.generate([r], SP)[0])
+            assert llm.parallel_stats()["remote_segments"] > before
+        assert procs[1].wait(30) == 0, procs[1].stderr.read()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()

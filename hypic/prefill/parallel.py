@@ -29,7 +29,9 @@ new one. At the start of a prefill rank 0 starts a new process for each worker t
 background; the others go on serving); once every rank is up and none owes entries, rank 0 sends the live workers
 REGROUP, each acknowledges over the old group and all ranks build the groups of the next generation (store prefixes
 ctl/<gen>, data/<gen>). A worker that failed mid-message (alive but cut off) is stopped and started again the same
-way. If forming the new group fails, every worker is stopped and rank 0 prefills alone from then on.
+way. A worker started by hand (`hypic worker`, other hosts) counts its starts in the store: when its operator starts
+it again for a rank that died, rank 0 sees the new start and takes it back the same way. If forming the new group
+fails, every worker is stopped and rank 0 prefills alone from then on.
 """
 
 from __future__ import annotations
@@ -400,11 +402,18 @@ class SegmentWorkers:
 
     # -- restarts ---------------------------------------------------------------------------------
     def _restart(self) -> None:
-        """Starts a spawned worker that died again (its model loads in the background), and once every rank is up
-        and no worker owes entries, moves all ranks to a new group (_regroup). Engine thread, between prefills."""
-        if not self.pc.spawn or self._closed or self.pc.restarts == 0:
+        """Starts a spawned worker that died again (its model loads in the background), or notices that a worker
+        started by hand (`hypic worker`) was started anew for its rank; once every rank is up and no worker owes
+        entries, moves all ranks to a new group (_regroup). Engine thread, between prefills."""
+        if self._closed or (self.pc.spawn and self.pc.restarts == 0):
             return
         for w in self.workers:
+            if not self.pc.spawn and w.loading is None:
+                latest = int(self._store.add(f"incarnation/{w.rank}", 0)) - 1     # the rank's latest start
+                if latest > w.incarnation:
+                    log.warning("worker %d was started again by hand (start %d); it joins at the next regroup",
+                                w.rank, latest)
+                    w.dead, w.incarnation, w.loaded, w.loading = True, latest, False, _ByHand()
             if w.loading is not None:
                 if not w.loaded and self._store.check([f"hello/{w.rank}/{w.incarnation}"]):
                     h = json.loads(self._store.get(f"hello/{w.rank}/{w.incarnation}"))
@@ -419,6 +428,8 @@ class SegmentWorkers:
                     log.warning("worker %d exited (code %s) while loading", w.rank, w.loading.exitcode)
                     w.loading = None
                 continue
+            if not self.pc.spawn:
+                continue                                # a hand-started rank comes back when its operator starts it
             if w.dead and w.proc is not None and w.proc.is_alive():
                 w.proc.terminate()                      # cut off mid-message: it gets no orders; start it anew
                 w.proc.join(5)
@@ -433,7 +444,7 @@ class SegmentWorkers:
         if not back or not all(w.loaded for w in back):
             return
         stay = [w for w in self.workers if w.loading is None]
-        if any(w.dead or not w.proc.is_alive() or w.pending > 0 for w in stay):
+        if any(w.dead or (w.proc is not None and not w.proc.is_alive()) or w.pending > 0 for w in stay):
             return                                      # a rank that will not come back, or one that owes entries
         self._regroup(stay, back)
 
@@ -461,7 +472,8 @@ class SegmentWorkers:
         self._old.append((self.ctl, self.data))
         self.gen, self.ctl, self.data = g, ctl, data
         for w in back:
-            w.proc, w.loading, w.loaded, w.dead, w.pending = w.loading, None, False, False, 0
+            w.proc = None if isinstance(w.loading, _ByHand) else w.loading
+            w.loading, w.loaded, w.dead, w.pending = None, False, False, 0
             w.late_seqs.clear()
         self.stats.restarts += len(back)
         self._rx = self._start_receiver()
@@ -496,6 +508,18 @@ class SegmentWorkers:
         self._finalizer()
 
 
+class _ByHand:
+    """Stands for a worker process started by hand elsewhere (`hypic worker`): nothing to watch or stop from here."""
+
+    exitcode = None
+
+    def is_alive(self) -> bool:
+        return True
+
+    def terminate(self) -> None:
+        pass
+
+
 def _terminate(procs) -> None:
     for p in procs:
         if p.is_alive():
@@ -528,16 +552,19 @@ def _await_key(store, key: str) -> str | None:
 
 
 def serve(source: str, config: EngineConfig, rank: int, pc: ParallelConfig, port: int | None = None,
-          fault: dict | None = None, incarnation: int = 0) -> None:
+          fault: dict | None = None, incarnation: int | None = None) -> None:
     """One worker: load the model, report to rank 0, then prefill orders until told to stop (or rank 0 is gone).
     config.device is this worker's device. fault: test-only misbehaviour on its k-th order (from 0), {"at": k,
     "do": "exit" | "sleep" | "raise", "seconds": s}. incarnation > 0: this rank started again after it died; it
-    joins the group generation rank 0 names once every rank is up."""
+    joins the group generation rank 0 names once every rank is up. None (a worker started by hand): counted in the
+    store, so a `hypic worker` started again for a rank that died is taken back by rank 0."""
     from ..models.loader import load_model
 
     if pc.threads:
         torch.set_num_threads(pc.threads)
     store = _store(pc, master=False, port=port)
+    if incarnation is None:
+        incarnation = int(store.add(f"incarnation/{rank}", 1)) - 1
     try:
         if config.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(config.device))
