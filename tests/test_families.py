@@ -4,7 +4,7 @@ them: each segment's seam [0, w) forwarded in context and its isolated summary o
 from positions 0..L-1 and a zero state) applied in between.
 
 Parametrized over families (dense: Gated DeltaNet, KDA; scalar: lightning, Mamba2; diagonal:
-Mamba1; RoPE'd lightning, MiniMax layout and Ring-linear's), shapes (heads, key / value dims,
+Mamba1, Zamba's multi-head Mamba1; RoPE'd lightning, MiniMax layout and Ring-linear's), shapes (heads, key / value dims,
 value heads per key head), seams and segment lengths down to 1 (shorter than the conv window,
 and chains of such segments); LFM2's short conv (no state) has its own window-chain test.
 
@@ -99,8 +99,23 @@ def _mamba1(h, r, dk, dv):
     return cfg, layer
 
 
+def _mamba1_heads(h, r, dk, dv):
+    """Zamba's multi-head Mamba1: h Mamba heads (one key head each: B and C per head), each serving its channels."""
+    from hypic.layers.mamba1 import MultiHeadMamba1Mixer
+
+    cfg = ModelConfig.from_dict(dict(preset_config("tiny-zamba"), mamba_d_state=dk, n_mamba_heads=h, mamba_expand=r))
+    layer = MultiHeadMamba1Mixer(cfg, 0, OPS)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.empty_like(layer.A_log).uniform_(0.01, 0.1).log())
+        layer.dt_proj_bias.uniform_(-2.0, 0.0)
+        layer.x_proj_weight.normal_(0.0, 0.3)
+        layer.dt_proj_weight.normal_(0.0, 0.3)
+        layer.D.mul_(0.1)
+    return cfg, layer
+
+
 FAMILIES = {"gdn": _gdn, "kda": _kda, "lightning": _lightning, "mamba2": _mamba2, "mamba1": _mamba1,
-            "lightning_rope": lambda *a: _lightning(*a, rope=True), "ring_linear": _ring}
+            "mamba1_heads": _mamba1_heads, "lightning_rope": lambda *a: _lightning(*a, rope=True), "ring_linear": _ring}
 SHAPES = [(1, 1, 8, 8), (2, 2, 16, 8), (2, 1, 4, 12)]       # (key heads, value heads per key head, K, V)
 
 
