@@ -190,6 +190,29 @@ def test_real_size_presets_parse():
     assert n.num_layers == 48 and len(n.attention_layers) == 12 and n.params.num_experts == 512
 
 
+def test_zamba_7b_preset_matches_transformers_at_full_size():
+    """Zamba-7B-v1's real config: hypic's model and transformers' own, both built on the meta device, have the same
+    parameters (names and shapes; the one shared block counted once)."""
+    import transformers
+    from transformers import AutoConfig
+
+    from hypic.config import PARALLEL, ModelConfig
+    from hypic.models.presets import preset_config
+    from hypic.models.registry import model_class
+    from hypic.ops import get_backend
+
+    d = preset_config("zamba-7b-v1")
+    c = ModelConfig.from_dict(d)
+    assert c.layer_types.count(PARALLEL) == 13 and c.params.hybrid_layer_ids[:3] == (2, 7, 13)
+    with torch.device("meta"):
+        ours = model_class(c.arch)(c, get_backend("reference"))
+        theirs = transformers.ZambaForCausalLM(AutoConfig.for_model("zamba", **{k: v for k, v in d.items()
+                                                                               if k != "model_type"}))
+    shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()}   # noqa: E731
+    assert shapes(ours) == shapes(theirs)
+    assert 7.0e9 < sum(p.numel() for p in ours.parameters()) < 7.5e9
+
+
 def test_ring_linear_config_and_layout(hf_checkpoints, tmp_path):
     """bailing_moe_linear: the real Ring-mini config parses (every 5th layer full, layer 0 dense); the
     tail of a stack that is not a whole number of groups is full attention; the checkpoint's

@@ -214,6 +214,15 @@ PRESETS: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         tie_word_embeddings=False, initializer_range=0.02, eos_token_id=151645,
     ),
+    # Zamba-7B-v1's config.json (Zyphra, public): 76 layers, the shared block at layer 2, 7, 13, ... (transformers' rule
+    # for attn_layer_offset 4 / period 6), two Mamba heads.
+    "zamba-7b-v1": dict(
+        model_type="zamba", vocab_size=32000, hidden_size=3712, intermediate_size=14848, num_hidden_layers=76,
+        attn_layer_offset=4, attn_layer_period=6, num_attention_heads=16, num_key_value_heads=16, hidden_act="gelu",
+        hidden_mamba_act="silu", mamba_conv_bias=True, mamba_d_conv=4, mamba_d_state=16, mamba_dt_rank=232,
+        mamba_expand=2, mamba_proj_bias=False, n_mamba_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        initializer_range=0.02, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
     # Ring-mini-linear-2.0's config.json (inclusionAI; as quoted in public ports), for dummy weights.
     "ring-mini-linear-2.0": dict(
         model_type="bailing_moe_linear", vocab_size=157184, hidden_size=2048, num_hidden_layers=20,
