@@ -182,10 +182,11 @@ def test_batched_requests_share_one_placement(reference):
             _same(o, r)
 
 
-@pytest.mark.parametrize("arch", ["kimi_linear", "nemotron_h", "minimax"])
+@pytest.mark.parametrize("arch", ["kimi_linear", "nemotron_h", "minimax", "zamba2"])
 def test_parallel_on_other_families(hf_checkpoints, arch):
-    """Checkpoint directories of other families (KDA + MLA, Mamba2 with conv tails, lightning): the workers load
-    the same files and their entries compose to the one-rank result."""
+    """Checkpoint directories of other families (KDA + MLA, Mamba2 with conv tails, lightning; Zamba2: two stateful
+    mixers in a hybrid layer, a shared block reading the embeddings): the workers load the same files and their
+    entries compose to the one-rank result."""
     path = str(hf_checkpoints[arch][1])
     ref = LLM(path)
     p = _prompt(5, lengths=(30, 50, 20))
