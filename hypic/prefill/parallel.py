@@ -457,8 +457,8 @@ class SegmentWorkers:
             for w in back:
                 self._store.set(f"join/{w.rank}/{w.incarnation}", str(g))
             self._store.set(f"go/{g}", "run")
-            ctl, data = _groups(self._store, 0, self.pc, self.transport,
-                                datetime.timedelta(seconds=self.pc.startup_timeout_s), g)
+            ctl, data = _groups(self._store, 0, self.pc, self.transport, datetime.timedelta(seconds=self.pc.timeout_s),
+                                g)                      # every rank is up and waiting for go/<g>: a quick connect
         except Exception as e:
             log.error("segment-parallel workers could not form a new group (%r); rank 0 prefills alone from now", e)
             self._store.set(f"go/{g}", "stop")
