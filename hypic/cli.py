@@ -198,7 +198,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         model_name=a.served_model_name or a.model, api_key=a.api_key, separator=a.separator,
         default_max_tokens=a.default_max_tokens,
         scheduler=SchedulerConfig(max_waiting=a.max_waiting, max_running=a.max_running,
-                                  request_timeout_s=a.request_timeout))
+                                  max_running_tokens=a.max_running_tokens,
+                                  max_state_bytes=int(a.max_state_gb * (1 << 30)), request_timeout_s=a.request_timeout))
     # uvicorn installs SIGINT/SIGTERM handlers: it stops accepting, lets the app's lifespan shut the
     # scheduler down (waiting requests get 503), then exits.
     with llm:                       # stops the workers, if any, once the server has shut down
@@ -242,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-segments", type=int, default=256)
     s.add_argument("--max-waiting", type=int, default=256, help="bounded queue; beyond it requests get 429")
     s.add_argument("--max-running", type=int, default=64)
+    s.add_argument("--max-running-tokens", type=int, default=1 << 20,
+                   help="sum of prompt + max_tokens over the running requests")
+    s.add_argument("--max-state-gb", type=float, default=0.0,
+                   help="memory admission: the running requests' per-layer states (KV of attention layers, linear "
+                        "states) at their full length stay within this many GiB (0: no bound)")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     s.add_argument("--default-max-tokens", type=int, default=1024)
     s.add_argument("--log-level", default="warning")

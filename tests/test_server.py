@@ -320,3 +320,45 @@ def test_request_timeout_fails_only_that_request():
     assert events[slow.id][-1][0] == "error" and events[slow.id][-1][1][0] == 504
     assert events[quick.id][-1][0] == "done" and len(events[quick.id][-1][1].token_ids) == 2
     assert sched.stats()["running"] == 0
+
+
+def test_memory_admission_by_state_bytes():
+    """Scheduler unit: Engine.state_bytes is what a request's states hold (attention keys, values and positions per
+    token, linear states and conv tails); with max_state_bytes room for one request, two requests run one after the
+    other, and without it together."""
+    from hypic import LLM, Prompt, SamplingParams
+    from hypic.runtime.scheduler import Job, Scheduler, SchedulerConfig
+
+    llm = LLM(MODEL)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    out = llm.generate([Prompt(query=list(range(40)))], params)[0]
+    req = llm.make_requests([Prompt(query=list(range(40)))], [params])[0]
+    llm.engine.prefill([req])
+    n = len(req.prompt)
+    assert llm.engine.state_bytes(n) <= req.state.nbytes <= 2 * llm.engine.state_bytes(n)
+    assert llm.engine.state_bytes(2 * n) > llm.engine.state_bytes(n) > 0
+    assert len(out.token_ids) == 4
+
+    def run(bound):
+        sched = Scheduler(llm.engine, SchedulerConfig(max_state_bytes=bound))
+        done, peak, ended = threading.Event(), [], []
+
+        def on(kind, job, payload):                   # the engine thread: its running list is stable here
+            peak.append(len(sched.running))
+            if kind in ("done", "error"):
+                ended.append(kind)
+                if len(ended) == 2:
+                    done.set()
+
+        jobs = [Job(llm.make_requests([Prompt(query=list(range(i, i + 30)))], [params])[0], on) for i in (0, 50)]
+        for j in jobs:                                # both waiting before the engine thread starts
+            sched.submit(j)
+        sched.start()
+        assert done.wait(60) and ended == ["done", "done"]
+        sched.shutdown()
+        return max(peak), jobs
+
+    one = llm.engine.state_bytes(34)
+    peak, jobs = run(one + one // 2)
+    assert peak == 1 and all(j.state_bytes == one for j in jobs)
+    assert run(0)[0] == 2

@@ -64,6 +64,11 @@ class AttentionMixer(nn.Module):
         raise NotImplementedError
 
     # -- state ---------------------------------------------------------------------------------------
+    def state_bytes(self, tokens: int, elem: int) -> int:
+        """Bytes of a request's state in this layer after `tokens` tokens: keys and values (elem bytes per number)
+        and an int64 position per token (KVBuffer)."""
+        return tokens * (self.num_kv_heads * (self.key_dim + self.value_dim) * elem + 8)
+
     def new_state(self, device, dtype, capacity: int) -> KVBuffer:
         return KVBuffer(self.num_kv_heads, self.key_dim, self.value_dim, dtype=dtype, device=device, capacity=capacity,
                         ordered=True)

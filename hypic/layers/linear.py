@@ -77,6 +77,12 @@ class LinearMixer(nn.Module):
         return self.conv1d.weight.squeeze(1), self.conv1d.bias
 
     # -- state ---------------------------------------------------------------------------------------
+    def state_bytes(self, tokens: int, elem: int) -> int:
+        """Bytes of a request's state in this layer, whatever its length: the fp32 recurrent state and the conv tail
+        (elem bytes per number)."""
+        h, k, v = self.state_shape
+        return 4 * h * k * v + (self.conv_width - 1) * self.conv_dim * elem if self.conv_width else 4 * h * k * v
+
     def new_state(self, device, dtype, capacity: int) -> LinearState:
         h, k, v = self.state_shape
         conv = torch.zeros(self.conv_width - 1, self.conv_dim, dtype=dtype, device=device) if self.conv_width else None

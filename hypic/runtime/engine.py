@@ -81,6 +81,13 @@ class Engine:
         # once everything above has been built)
         self.workers = SegmentWorkers(loaded, config) if config.parallel.enabled else None
 
+    def state_bytes(self, tokens: int) -> int:
+        """The bytes a request of `tokens` tokens (prompt and output) holds in its per-layer states at its end: every
+        attention layer's keys, values and positions per token, every linear layer's fixed state and conv tail (the
+        scheduler's memory admission). Growing buffers may hold up to twice the attention part while they grow."""
+        elem = self.model.lm_head.weight.element_size()
+        return sum(m.state_bytes(tokens, elem) for m in self.model.mixers.values())
+
     # -- stage 1: plan -------------------------------------------------------------------------
     def _plan(self, reqs: list[Request]) -> list[PrefillPlan]:
         if self.config.supersede_versions:

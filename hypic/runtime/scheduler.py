@@ -38,6 +38,9 @@ class SchedulerConfig:
     max_waiting: int = 256            # bounded queue
     max_running: int = 64             # requests decoding at once
     max_running_tokens: int = 1 << 20  # sum of (prompt + max_tokens) over running requests
+    max_state_bytes: int = 0           # sum of the running requests' state bytes at their full length (prompt +
+                                       # max_tokens; Engine.state_bytes); 0: no bound. One request alone is admitted
+                                       # whatever its size
     max_prefill_batch: int = 16       # new requests prefilled together
     request_timeout_s: float = 600.0
 
@@ -53,6 +56,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     first_token_at: float | None = None
+    state_bytes: int = 0               # its states' bytes at full length (set at submission when the bound is on)
 
     @property
     def budget(self) -> int:
@@ -80,6 +84,8 @@ class Scheduler:
         return self._thread.is_alive() and not self._stop
 
     def submit(self, job: Job) -> None:
+        if self.config.max_state_bytes:
+            job.state_bytes = self.engine.state_bytes(job.budget)
         with self._cv:
             if self._stop:
                 raise SchedulerClosedError("the server is shutting down")
@@ -111,6 +117,7 @@ class Scheduler:
             return {"waiting": len(self.waiting), "running": len(running),
                     "running_tokens": sum(j.budget for j in running),
                     "request_state_bytes": sum(j.request.state.nbytes for j in running if j.request.state is not None),
+                    "admitted_state_bytes": sum(j.state_bytes for j in running),
                     "steps": self.steps}
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -154,6 +161,7 @@ class Scheduler:
     def _admit(self) -> list[Job]:
         now, out = time.monotonic(), []
         tokens = sum(j.budget for j in self.running)
+        held = sum(j.state_bytes for j in self.running)
         while self.waiting and len(out) < self.config.max_prefill_batch:
             job = self.waiting[0]
             if job.cancelled or now - job.arrival > self.config.request_timeout_s:
@@ -166,8 +174,11 @@ class Scheduler:
                     break
                 if tokens + job.budget > self.config.max_running_tokens:
                     break
+                if self.config.max_state_bytes and held + job.state_bytes > self.config.max_state_bytes:
+                    break
             self.waiting.popleft()
             tokens += job.budget
+            held += job.state_bytes
             out.append(job)
         return out
 
