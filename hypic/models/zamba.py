@@ -6,9 +6,9 @@ across layers before their Mamba mixer:
     t = linear(feed_forward(pre_ff_layernorm(a)))         the block's MLP, then a per-layer linear map
     h = h + mamba(mamba_norm(h + t))                      the block's output enters the mixer, not the residual
 
-Zamba2: Mamba2 mixers; `num_mem_blocks` distinct blocks serve the hybrid layers in turn (hybrid layer j uses block j % num_mem_blocks); its
-weights are shared, its low-rank adapters are not: adapter slot j of that block (on q / k / v when
-`use_shared_attention_adapter`, always on the MLP's gate/up projection) belongs to hybrid layer j. A hybrid layer has
+Zamba2: Mamba2 mixers; `num_mem_blocks` distinct blocks serve the hybrid layers in turn (hybrid layer j uses block
+j % num_mem_blocks); a block's weights are shared, its low-rank adapters are not: adapter slot j of that block (on
+q / k / v when `use_shared_attention_adapter`, always on the MLP's gate/up projection) belongs to hybrid layer j. A hybrid layer has
 two stateful mixers (`state_mixers`): the Mamba2 one under the layer's index i and the attention under
 num_layers + i, whose keys are that layer's own (the shared weights see the layer's input), so a segment entry holds
 both, as for Falcon-H1. Zamba: multi-head Mamba1 mixers (layers/mamba1.py), one block (`shared_transf`) for every
