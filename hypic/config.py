@@ -261,9 +261,8 @@ class BailingHybridParams(KimiLinearParams):
 def _parse_bailing_hybrid(hf):
     types, kimi = _parse_kimi(hf)
     rope = dict(getattr(hf, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        # yarn also rescales the softmax (DeepSeek's mscale); not implemented
-        raise UnsupportedArchitectureError(f"bailing_hybrid with rope_type={rope.get('rope_type')!r} (only default)")
+    if rope.get("rope_type", "default") not in ("default", "yarn"):
+        raise UnsupportedArchitectureError(f"bailing_hybrid with rope_type={rope.get('rope_type')!r} (default or yarn)")
     params = BailingHybridParams(**dataclasses.asdict(kimi), kda_safe_gate=bool(hf.kda_safe_gate),
                                  kda_lower_bound=float(hf.kda_lower_bound), rope_parameters=_rope(hf))
     return types, params

@@ -15,6 +15,7 @@ Bamba: biases, wider heads, two groups.
 Oracle: transformers' own classes with the same random weights; bounds as tests/test_oracle.py and
 tests/test_invariants.py (1e-4 on logits, fp32)."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -225,13 +226,26 @@ def _ling():
         pytest.skip(f"transformers {transformers.__version__} does not ship bailing_hybrid")
 
 
-@pytest.mark.parametrize("variant", ["unbounded-gate", "q-lora"])
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("variant", ["unbounded-gate", "q-lora", "yarn"])
 def test_ling_variants_match_transformers(tmp_path, variant):
+    """yarn: YaRN frequencies and attention factor in the cos / sin tables, and DeepSeek's mscale ** 2 on the
+    softmax scale (a context 8x the original 64 positions, so the prompts here reach the interpolated band; with
+    mscale = mscale_all_dim the tables' own attention factor is 1)."""
     _ling()
-    over = {"unbounded-gate": dict(kda_safe_gate=False), "q-lora": dict(q_lora_rank=24)}[variant]
+    over = {"unbounded-gate": dict(kda_safe_gate=False), "q-lora": dict(q_lora_rank=24),
+            "yarn": dict(rope_parameters=YARN, max_position_embeddings=512)}[variant]
     model = hf_model("bailing_hybrid", seed=4, **over)
     llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
     assert llm.engine.model.model.layers[0].self_attn.forget_gate.safe == (variant != "unbounded-gate")
+    if variant == "yarn":
+        mla = llm.engine.model.model.layers[3].self_attn
+        assert mla.scale == pytest.approx(mla.key_dim ** -0.5 * (0.1 * math.log(8.0) + 1.0) ** 2)
+        plain = 1.0 / 10000.0 ** (torch.arange(0, mla.rope, 2, dtype=torch.float64) / mla.rope)
+        assert not torch.allclose(mla.rotary[0].inv_freq.double(), plain)       # the interpolated frequencies
     _check_full(model, llm)
     _pic_checks(llm)
 

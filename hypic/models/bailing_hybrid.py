@@ -15,6 +15,8 @@ per-expert tensors, `expert_bias`, the MTP layers after the last decoder layer) 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -57,12 +59,22 @@ class BailingDeltaAttention(KimiDeltaAttention):
         return {"raw": raw, "g": self.forget_gate(x), "beta": torch.sigmoid(self.b_proj(x)), "gate": self.g_proj(x)}
 
 
+def yarn_softmax_mscale(rope: dict) -> float:
+    """DeepSeek's YaRN also scales the attention logits: by mscale ** 2, mscale = 0.1 * mscale_all_dim * ln(factor) + 1
+    (1 at factor <= 1, or without `mscale_all_dim`); the cos / sin tables carry YaRN's own attention factor."""
+    factor, m = float(rope.get("factor", 1.0)), float(rope.get("mscale_all_dim", 0.0) or 0.0)
+    if rope.get("rope_type", "default") == "default" or not m or factor <= 1:
+        return 1.0
+    return 0.1 * m * math.log(factor) + 1.0
+
+
 class BailingLatentAttention(MultiHeadLatentAttention):
     """MLA with RoPE on the shared rope dims (see the module docstring for the layout) and a per-head output gate."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
         super().__init__(cfg, layer_idx, ops, rotary)
         self.g_proj = nn.Linear(cfg.hidden_size, self.nh, bias=False)
+        self.scale *= yarn_softmax_mscale(dict(cfg.params.rope_parameters)) ** 2
         # interleaved pairs -> rotate-half halves: evens first, then odds (a plain list: no parameter, no buffer)
         self._order = list(range(0, self.rope, 2)) + list(range(1, self.rope, 2))
 
