@@ -320,7 +320,9 @@ class Mamba2Params:
 
 @dataclass(frozen=True)
 class NemotronHParams(Mamba2Params):
-    """Nemotron-H: single-mixer blocks (Mamba2 / NoPE attention / squared-ReLU MLP)."""
+    """Nemotron-H: single-mixer blocks (Mamba2 / NoPE attention / squared-ReLU MLP), and in Nemotron 3 MoE blocks:
+    DeepSeek-style grouped sigmoid routing with a selection-only correction bias over non-gated squared-ReLU experts
+    (optionally in a latent space of `moe_latent_size`), plus a squared-ReLU shared expert."""
 
     num_attention_heads: int
     num_key_value_heads: int
@@ -328,10 +330,21 @@ class NemotronHParams(Mamba2Params):
     attention_bias: bool
     intermediate_size: int
     mlp_bias: bool
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_intermediate_size: int = 0
+    moe_latent_size: int = 0           # 0: the experts work at hidden_size
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
 
 
 def _parse_nemotron_h(hf):
-    types = _layer_types(hf, {"mlp": MLP_ONLY}, attr="layers_block_type")
+    raw = list(getattr(hf, "layers_block_type"))
+    types = _layer_types(hf, {"mlp": MLP_ONLY, "moe": MLP_ONLY}, attr="layers_block_type")
     if hf.mlp_hidden_act != "relu2":
         raise UnsupportedArchitectureError(f"nemotron_h with mlp_hidden_act={hf.mlp_hidden_act!r} (only relu2)")
     if getattr(hf, "sliding_window", None) is not None:
@@ -342,7 +355,18 @@ def _parse_nemotron_h(hf):
         use_bias=bool(hf.use_bias), time_step_min=float(hf.time_step_min), time_step_max=math.inf,
         num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
         head_dim=hf.head_dim, attention_bias=False, intermediate_size=hf.intermediate_size,
-        mlp_bias=bool(hf.mlp_bias))
+        mlp_bias=bool(hf.mlp_bias), moe_layers=tuple(i for i, t in enumerate(raw) if t == "moe"))
+    if params.moe_layers:
+        g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
+        params = dataclasses.replace(
+            params, num_experts=int(hf.n_routed_experts), num_experts_per_tok=int(hf.num_experts_per_tok),
+            moe_intermediate_size=int(hf.moe_intermediate_size),
+            moe_shared_intermediate_size=int(hf.moe_shared_expert_intermediate_size),
+            moe_latent_size=int(g("moe_latent_size") or 0), n_group=int(g("n_group", 1) or 1),
+            topk_group=int(g("topk_group", 1) or 1), norm_topk_prob=bool(g("norm_topk_prob", True)),
+            routed_scaling_factor=float(g("routed_scaling_factor", 1.0)))
+        if params.num_experts % params.n_group or params.num_experts // params.n_group < 2:
+            raise ConfigError("nemotron_h: n_group must divide n_routed_experts into groups of two or more")
     return types, params
 
 

@@ -413,3 +413,25 @@ def test_lfm2_moe_variants(tmp_path, variant):
         return
     _check_full(model, llm)
     _pic_checks(llm)
+
+
+# -- Nemotron 3: Nemotron-H's MoE blocks --------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["moe", "latent", "one-group"])
+def test_nemotron_3_moe_blocks_match_transformers(tmp_path, variant):
+    """Nemotron-H with MoE blocks (tiny-nemotron-3: grouped sigmoid routing over relu² experts with a selection-only
+    correction bias, a relu² shared expert); here also experts in a latent space (`moe_latent_size`) and one group.
+    The released per-expert up / down tensors (transformers writes them so) are stacked at load."""
+    from hypic.models.presets import preset_config
+
+    over = {k: v for k, v in preset_config("tiny-nemotron-3").items() if k != "model_type"}
+    over.update({"moe": {}, "latent": dict(moe_latent_size=32), "one-group": dict(n_group=1, topk_group=1)}[variant])
+    model = hf_model("nemotron_h", seed=4, **over)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand_like(b) * 0.3)                         # zero at init: make it count
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    moe = llm.engine.model.model.layers[1].mixer
+    assert moe.experts.up_proj.shape == (8, 32, 32 if variant == "latent" else 64)
+    _check_full(model, llm)
+    _pic_checks(llm)

@@ -83,7 +83,6 @@ def test_unsupported_layer_type(hf_checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("arch,field,value,name", [
-    ("nemotron_h", "layers_block_type", ["mamba", "moe", "attention"], "moe"),
     ("kimi_linear", "layer_types", ["linear_attention", "sliding_attention"], "sliding_attention"),
     ("lfm2", "layer_types", ["conv", "sliding_attention"], "sliding_attention"),
     ("jamba", None, None, None),

@@ -135,9 +135,27 @@ def minimax(tensors: dict, cfg: ModelConfig) -> dict:
 
 
 def nemotron_h(tensors: dict, cfg: ModelConfig) -> dict:
-    """Original layout: backbone.{embeddings, layers.{i}.{norm, mixer.*}, norm_f}."""
-    return _common(_rename(tensors, [(r"^backbone\.embeddings\.", "model.embed_tokens."),
-                                     (r"^backbone\.norm_f\.", "model.norm."), (r"^backbone\.", "model.")]), cfg)
+    """Original layout: backbone.{embeddings, layers.{i}.{norm, mixer.*}, norm_f}; Nemotron 3's MoE blocks store
+    mixer.experts.{e}.{up,down}_proj.weight per expert (stacked into [E, ...] tensors here)."""
+    t = _rename(tensors, [(r"^backbone\.embeddings\.", "model.embed_tokens."),
+                          (r"^backbone\.norm_f\.", "model.norm."), (r"^backbone\.", "model.")])
+    pat = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+    groups: dict = {}
+    out = {}
+    for name, x in t.items():
+        m = pat.match(name)
+        if m is None:
+            out[name] = x
+        else:
+            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = x
+    for (prefix, part), per in groups.items():
+        n = cfg.params.num_experts
+        if sorted(per) != list(range(n)):
+            from ..errors import WeightsError
+
+            raise WeightsError(f"{prefix}: {part} of {len(per)} experts, expected {n}")
+        out[f"{prefix}.{part}"] = torch.stack([per[e] for e in range(n)])
+    return _common(out, cfg)
 
 
 def jamba(tensors: dict, cfg: ModelConfig) -> dict:

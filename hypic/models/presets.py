@@ -58,6 +58,18 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
         eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # Nemotron 3 (Nano's layout): Mamba2, MoE blocks (grouped sigmoid routing, relu² experts, a shared expert) and
+    # one attention block.
+    "tiny-nemotron-3": dict(
+        model_type="nemotron_h", vocab_size=320, hidden_size=64,
+        layers_block_type=["mamba", "moe", "mamba", "attention", "moe", "mamba"],
+        mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_group=2,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=65536,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=False, eos_token_id=256, bos_token_id=None, pad_token_id=None,
+        initializer_range=0.02,
+    ),
     "tiny-jamba": dict(
         model_type="jamba", vocab_size=320, hidden_size=32, num_hidden_layers=4, attn_layer_period=4,
         attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,

@@ -35,6 +35,7 @@ class Backend:
     route: Callable
     route_grouped_sigmoid: Callable
     experts_forward: Callable
+    experts_forward_plain: Callable
     recurrent_gated_delta_summary: Callable
     chunk_gated_delta_transition: Callable
     chunk_gated_delta_isolated: Callable
@@ -58,7 +59,7 @@ def get_backend(name: str) -> Backend:
             name, m.chunk_gated_delta_rule, m.recurrent_gated_delta_rule, m.chunk_kda, m.recurrent_kda, m.chunk_gla,
             m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d, m.causal_conv1d_varlen,
             m.position_attention, m.decode_attention, m.order_keys, m.route, m.route_grouped_sigmoid, m.experts_forward,
-            m.recurrent_gated_delta_summary, m.chunk_gated_delta_transition, m.chunk_gated_delta_isolated,
+            m.experts_forward_plain, m.recurrent_gated_delta_summary, m.chunk_gated_delta_transition, m.chunk_gated_delta_isolated,
             m.rms_norm, m.rms_norm_gated, m.gdn_gate,
         )
     return _LOADED[name]

@@ -737,7 +737,7 @@ def experts_forward(x, weights, experts, gate_up, down):
     # grouped GEMM: bf16 on CUDA. fp32 on CUDA (the quality study) takes the few-rows kernel (fp32 products) where
     # it applies, else the reference loop, which reads the experts in use on the host: a decode step's CUDA graph
     # capture failed on it (H200 run 77), so an fp32 decode step must stay on the kernel
-    other = x.dtype == torch.float64 or (x.is_cuda and x.dtype != torch.bfloat16)
+    other = x.dtype == torch.float64 or (x.is_cuda and x.dtype != torch.bfloat16) or not _grouped_dims(gate_up, down)
     if other and not few:
         return ref.experts_forward(x, weights, experts, gate_up, down)
     flat = experts.reshape(-1)
@@ -758,5 +758,27 @@ def experts_forward(x, weights, experts, gate_up, down):
     inv[order] = torch.arange(order.numel(), device=order.device)
     # back in token order by a gather (a scatter of n*k rows costs more), then the weighted sum of each
     # token's k rows as one batched GEMM (fp32 accumulation inside, no fp32 copy of the n*k rows)
+    y = ys[inv].view(n, k, -1)
+    return torch.bmm(weights.to(y.dtype).view(n, 1, k), y).view(n, -1).to(x.dtype)
+
+
+def _grouped_dims(*weights) -> bool:
+    """torch._grouped_mm needs every operand's rows 16-byte aligned: the experts' inner and hidden sizes."""
+    return all((w.shape[-1] * w.element_size()) % 16 == 0 for w in weights)
+
+
+def experts_forward_plain(x, weights, experts, up, down, act: str = "relu2"):
+    """Non-gated experts (Nemotron 3): tokens sorted by expert, two grouped GEMMs around relu², the same
+    deterministic combine as experts_forward; fp64, or CUDA in another dtype than bf16: the reference loop."""
+    if act != "relu2":
+        raise ValueError(f"unknown expert activation {act!r}")
+    if x.dtype == torch.float64 or (x.is_cuda and x.dtype != torch.bfloat16) or not _grouped_dims(up, down):
+        return ref.experts_forward_plain(x, weights, experts, up, down, act)
+    n, k = experts.shape
+    order, offs = _sort_by_expert(experts.reshape(-1), up.shape[0], False)
+    h = torch._grouped_mm(x[order // k], up.transpose(1, 2), offs=offs)
+    ys = torch._grouped_mm(F.relu(h).square(), down.transpose(1, 2), offs=offs)          # [n*k, H]
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
     y = ys[inv].view(n, k, -1)
     return torch.bmm(weights.to(y.dtype).view(n, 1, k), y).view(n, -1).to(x.dtype)

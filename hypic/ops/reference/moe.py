@@ -34,6 +34,19 @@ def experts_forward(x, weights, experts, gate_up, down):
     return out
 
 
+def experts_forward_plain(x, weights, experts, up, down, act: str = "relu2"):
+    """Non-gated experts (Nemotron 3): sum_k weights[:, k] * down_e(act(up_e x)); up [E, I, Hd], down [E, Hd, I];
+    act "relu2" (relu squared). Accumulated in fp32, as transformers does; returned in x's dtype."""
+    if act != "relu2":
+        raise ValueError(f"unknown expert activation {act!r}")
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in experts.unique().tolist():
+        tok, slot = torch.where(experts == e)
+        y = F.linear(F.relu(F.linear(x[tok], up[e])).square(), down[e]) * weights[tok, slot, None]
+        out.index_add_(0, tok, y.float())
+    return out.to(x.dtype)
+
+
 def route_grouped_sigmoid(x, router, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                           scaling: float, eps: float = 1e-20):
     """DeepSeek-V3 / Kimi routing: sigmoid scores (fp32); experts are chosen by score + bias within the
