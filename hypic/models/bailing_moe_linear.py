@@ -74,7 +74,7 @@ class BailingMoe(nn.Module):
             w, e = self.ops.route_grouped_sigmoid(x, self.gate.weight, bias, p.num_experts_per_tok, groups,
                                                   topk_groups, p.norm_topk_prob, p.routed_scaling_factor)
             return w.to(x.dtype), e
-        w, e = self.ops.route(x, self.gate.weight, p.num_experts_per_tok, p.norm_topk_prob)   # softmax, no groups
+        w, e = self.ops.route(x, self.gate.weight.to(x.dtype), p.num_experts_per_tok, p.norm_topk_prob)  # softmax
         return w * p.routed_scaling_factor, e
 
     def forward(self, x):
@@ -105,6 +105,8 @@ class DecoderLayer(nn.Module):
 
 
 class BailingMoeLinearForCausalLM(CausalLM):
+    fp32_params = (".gate.weight", ".e_score_correction_bias", ".gate.expert_bias")       # the router (base.py)
+
     def __init__(self, cfg: ModelConfig, ops):
         p = cfg.params
         super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, p.rotary_dim, p.rope_parameters))

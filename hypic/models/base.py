@@ -41,6 +41,11 @@ class CausalLM(nn.Module):
     LinearMixer / AttentionMixer, None for a block without state; or `state_mixers`) and the final norm. The LM head
     (tied to the embeddings when the config says so) is built here."""
 
+    # parameters kept in fp32 whatever the engine's dtype (name suffixes): the DeepSeek-style routers, as transformers
+    # keeps them (`_keep_in_fp32_modules_strict`) and Ring-linear's config asks (router_dtype fp32): expert choices
+    # from bf16-rounded router weights would differ from the checkpoint's
+    fp32_params: tuple[str, ...] = ()
+
     def __init__(self, cfg: ModelConfig, backbone: nn.Module):
         super().__init__()
         self.config = cfg

@@ -64,6 +64,8 @@ class DecoderLayer(nn.Module):
 
 
 class KimiLinearForCausalLM(CausalLM):
+    fp32_params = (".gate.weight", ".e_score_correction_bias", ".gate.expert_bias")       # the router (base.py)
+
     def __init__(self, cfg: ModelConfig, ops):
         super().__init__(cfg, Backbone(cfg, ops, DecoderLayer))
 

@@ -76,7 +76,14 @@ def _build(cfg: ModelConfig, engine: EngineConfig, device=None) -> torch.nn.Modu
             model = model_class(cfg.arch)(cfg, ops)
     finally:
         torch.set_default_dtype(old)
-    return model.to(engine.torch_dtype).eval()
+    model = model.to(engine.torch_dtype).eval()
+    keep = getattr(model, "fp32_params", ())
+    if keep and engine.torch_dtype != torch.float32:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(keep):
+                    p.data = p.data.float()
+    return model
 
 
 def from_tensors(cfg: ModelConfig, tensors: dict, engine: EngineConfig, ident: str) -> LoadedModel:
@@ -90,7 +97,7 @@ def from_tensors(cfg: ModelConfig, tensors: dict, engine: EngineConfig, ident: s
         params.pop("lm_head.weight", None)
         tensors.pop("lm_head.weight", None)
     _check(params, tensors)
-    model.load_state_dict({k: tensors[k].to(engine.torch_dtype) for k in params}, strict=False, assign=True)
+    model.load_state_dict({k: tensors[k].to(params[k].dtype) for k in params}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return LoadedModel(cfg, model.eval(), None, _fingerprint(cfg, ident, engine.dtype), ident)

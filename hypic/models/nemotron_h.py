@@ -86,6 +86,8 @@ class Block(nn.Module):
 
 
 class NemotronHForCausalLM(CausalLM):
+    fp32_params = (".gate.weight", ".e_score_correction_bias", ".gate.expert_bias")       # the router (base.py)
+
     def __init__(self, cfg: ModelConfig, ops):
         norm = lambda: FP32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
         super().__init__(cfg, Backbone(cfg, ops, Block, norm=norm))
