@@ -47,13 +47,15 @@ def _store_args(p: argparse.ArgumentParser) -> None:
                    help="device and host tiers: least recently used, or least prefill saved per byte first")
     p.add_argument("--admission", default="always", choices=["always", "repeat"],
                    help="store every cold entry, or only from a segment's second sighting")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=65536,
+                   help="cold segments run in isolated-prefill forwards of at most this many tokens")
 
 
 def _store(a: argparse.Namespace) -> dict:
     gb = 1 << 30
     return dict(segment_cache_bytes=int(a.segment_cache_gb * gb), host_cache_bytes=int(a.host_cache_gb * gb),
                 disk_cache_dir=a.disk_cache_dir, disk_cache_bytes=int(a.disk_cache_gb * gb), eviction=a.eviction,
-                admission=a.admission)
+                admission=a.admission, prefill_chunk_tokens=a.prefill_chunk_tokens)
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:

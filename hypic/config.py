@@ -1041,6 +1041,9 @@ class EngineConfig:
     compose_first_piece: int = 0       # layers in the first of those pieces (0: equal pieces); a short first piece
                                        # lets the GPU start after a shorter fill and launch (not measured yet)
     parallel: ParallelConfig = ParallelConfig()   # segment-parallel cold prefill (off: one rank)
+    prefill_chunk_tokens: int = 65536  # the cold segments of a prefill run in isolated-prefill forwards of at most this
+                                       # many tokens each (a longer segment alone): activation memory stays bounded
+                                       # however many cold segments a batch of requests brings
 
     def __post_init__(self):
         if self.decode not in ("auto", "dynamic", "static", "graph"):
@@ -1049,6 +1052,8 @@ class EngineConfig:
             raise ConfigError(f"unknown compose {self.compose!r}; use 'auto', 'eager', 'static' or 'graph'")
         if self.compose_pieces < 1:
             raise ConfigError(f"compose_pieces must be >= 1, got {self.compose_pieces}")
+        if self.prefill_chunk_tokens < 1:
+            raise ConfigError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.compose_first_piece < 0:
             raise ConfigError(f"compose_first_piece must be >= 0, got {self.compose_first_piece}")
         if self.eviction not in ("lru", "cost"):

@@ -228,3 +228,30 @@ def test_warmup_runs_every_mode_and_leaves_no_trace():
     assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
     with pytest.raises(InvalidRequestError, match="warm-up needs"):
         llm.warmup(tokens=8, segments=3)
+
+
+def test_cold_segments_run_in_bounded_forwards(tiny, monkeypatch):
+    """EngineConfig.prefill_chunk_tokens: the cold segments of a prefill go through the isolated prefill in forwards
+    of at most that many tokens (a longer segment alone), and the entries and outputs are those of one forward
+    (1e-5: only the batch's shapes differ)."""
+    import hypic.runtime.engine as engine_mod
+
+    batches = []
+    real = engine_mod.prefill_segments
+
+    def spy(model, slots, device, **kw):
+        batches.append(sum(len(s.tokens) for s in slots))
+        return real(model, slots, device, **kw)
+
+    monkeypatch.setattr(engine_mod, "prefill_segments", spy)
+    p = Prompt(prefix=[5, 6, 7], segments=[rand_ids(n, 30 + n) for n in (40, 90, 25, 150, 70)], query=[9, 10])
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, return_logits=True)
+    small = LLM("tiny-qwen3.5", cache_mode="pic", seam=4, prefill_chunk_tokens=120)
+    out = small.generate([p], sp)[0]
+    assert batches == [40, 90 + 25, 150, 70]                 # in order, each batch within 120 tokens or one segment
+    tiny.clear_cache()
+    batches.clear()
+    ref = tiny.generate([p], sp)[0]
+    assert batches == [375]
+    assert out.token_ids == ref.token_ids
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)

@@ -22,7 +22,7 @@ from ..config import CacheMode, CachePolicy, EngineConfig
 from ..plan.planner import Planner, PrefillPlan
 from ..prefill.isolated import prefill_segments
 from ..prefill.parallel import SegmentWorkers
-from ..prefill.placement import segment_cost
+from ..prefill.placement import chunks, segment_cost
 from ..segment.spans import TokenizedPrompt
 from ..types import RequestOutput, SamplingParams
 from .batch import BatchBuilder
@@ -172,7 +172,13 @@ class Engine:
                   for s in slots]
 
         def local(idx):
-            return prefill_segments(self.model, [slots[i] for i in idx], self.device, starts=[starts[i] for i in idx])
+            idx = list(idx)
+            tokens = {i: len(slots[i].anchor) + len(slots[i].tokens) for i in idx}
+            out = []
+            for batch in chunks(idx, tokens, self.config.prefill_chunk_tokens):    # bounded activation memory
+                out += prefill_segments(self.model, [slots[i] for i in batch], self.device,
+                                        starts=[starts[i] for i in batch])
+            return out
 
         if self.workers is not None and slots:       # placed over the workers and this rank; same entries
             made = self.workers.prefill(slots, starts, local)
