@@ -362,3 +362,14 @@ def test_memory_admission_by_state_bytes():
     peak, jobs = run(one + one // 2)
     assert peak == 1 and all(j.state_bytes == one for j in jobs)
     assert run(0)[0] == 2
+
+
+def test_scheduler_config_is_validated():
+    from hypic import ConfigError
+    from hypic.runtime.scheduler import SchedulerConfig
+
+    for bad in (dict(max_running=0), dict(max_waiting=-1), dict(max_state_bytes=-5), dict(request_timeout_s=0.0),
+                dict(max_running_tokens=1.5)):
+        with pytest.raises(ConfigError):
+            SchedulerConfig(**bad)
+    assert SchedulerConfig(max_state_bytes=0).max_state_bytes == 0

@@ -44,6 +44,17 @@ class SchedulerConfig:
     max_prefill_batch: int = 16       # new requests prefilled together
     request_timeout_s: float = 600.0
 
+    def __post_init__(self):
+        from ..errors import ConfigError
+
+        for name in ("max_waiting", "max_running", "max_running_tokens", "max_prefill_batch"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.max_state_bytes, int) or self.max_state_bytes < 0:
+            raise ConfigError(f"max_state_bytes must be an integer >= 0 (0: no bound), got {self.max_state_bytes!r}")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
+
 
 @dataclass(eq=False)
 class Job:
