@@ -1042,8 +1042,8 @@ class EngineConfig:
                                        # lets the GPU start after a shorter fill and launch (not measured yet)
     parallel: ParallelConfig = ParallelConfig()   # segment-parallel cold prefill (off: one rank)
     prefill_chunk_tokens: int = 65536  # the cold segments of a prefill run in isolated-prefill forwards of at most this
-                                       # many tokens each (a longer segment alone): activation memory stays bounded
-                                       # however many cold segments a batch of requests brings
+                                       # many tokens each; a longer segment runs alone, in parts of this size joined by
+                                       # the composition algebra: activation memory stays bounded
 
     def __post_init__(self):
         if self.decode not in ("auto", "dynamic", "static", "graph"):

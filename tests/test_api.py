@@ -255,3 +255,31 @@ def test_cold_segments_run_in_bounded_forwards(tiny, monkeypatch):
     assert batches == [375]
     assert out.token_ids == ref.token_ids
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-jamba", "tiny-ring-linear", "tiny-lfm2", "tiny-zamba2",
+                                    "tiny-kimi-linear"])
+def test_a_long_segment_prefilled_in_parts_equals_one_forward(preset):
+    """A segment longer than prefill_chunk_tokens runs in parts on one sequence state; its entry (T and S joined by
+    composition, the last part's conv tail, keys and values end to end) equals the one-forward entry (1e-5 relative:
+    only summation order and the zero-start subtraction's rounding differ) and so do the outputs; dense, diagonal,
+    RoPE'd-key and conv-only families, and a layer with two stateful mixers."""
+    from hypic.prefill.isolated import _parts
+
+    assert _parts(300, 100) == [(0, 100), (100, 200), (200, 300)] and _parts(330, 100)[-1] == (200, 330)
+    seg = rand_ids(333, 7)
+    p = Prompt(prefix=[5, 6, 7], segments=[rand_ids(20, 8), seg], query=[9, 10])
+    sp = SamplingParams(max_tokens=3, ignore_eos=True, return_logits=True)
+    whole = LLM(preset, cache_mode="pic", seam=8)
+    parts = LLM(preset, cache_mode="pic", seam=8, prefill_chunk_tokens=100)
+    a, b = whole.generate([p], sp)[0], parts.generate([p], sp)[0]
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
+    ea = max(whole.engine.segments.values(), key=lambda e: e.length)
+    eb = max(parts.engine.segments.values(), key=lambda e: e.length)
+    assert ea.length == eb.length == 333 and sorted(ea.layers) == sorted(eb.layers)
+    for layer in ea.layers:
+        for (name, x), (_, y) in zip(ea.layers[layer].tensors(), eb.layers[layer].tensors()):
+            assert x.shape == y.shape, (layer, name)
+            err = (x.float() - y.float()).norm() / max(x.float().norm(), 1e-30)
+            assert err < 1e-5, (layer, name, float(err))

@@ -627,7 +627,8 @@ def _serve_group(store, rank: int, pc: ParallelConfig, config: EngineConfig, loa
                 raise RuntimeError("injected failure")
             tokens = [len(s.anchor) + len(s.tokens) for s in slots]
             for batch in chunks(range(len(slots)), tokens, order["chunk_tokens"]):
-                entries = prefill_segments(loaded.model, [slots[j] for j in batch], device)
+                entries = prefill_segments(loaded.model, [slots[j] for j in batch], device,
+                                           max_tokens=order["chunk_tokens"])
                 for j, entry in zip(batch, entries):
                     meta, payload = pack(entry)
                     if transport == "gloo":

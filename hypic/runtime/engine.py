@@ -177,7 +177,7 @@ class Engine:
             out = []
             for batch in chunks(idx, tokens, self.config.prefill_chunk_tokens):    # bounded activation memory
                 out += prefill_segments(self.model, [slots[i] for i in batch], self.device,
-                                        starts=[starts[i] for i in batch])
+                                        starts=[starts[i] for i in batch], max_tokens=self.config.prefill_chunk_tokens)
             return out
 
         if self.workers is not None and slots:       # placed over the workers and this rank; same entries
