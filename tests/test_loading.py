@@ -250,15 +250,16 @@ def test_ring_linear_unsupported_values_are_named(field, value, name):
 
 def test_routers_stay_fp32_in_bf16(hf_checkpoints):
     """DeepSeek-style routers (Kimi-Linear here; Nemotron 3, Ring-linear and Ling 3.0 alike) keep their weights and
-    correction bias in fp32 when the engine runs in bf16, as transformers keeps them: loaded from the checkpoint
-    without rounding; every other parameter is bf16."""
+    correction bias in fp32 when the engine runs in bf16, and so does KDA's dt_bias (Ling 3.0: also A_log), as
+    transformers keeps them: loaded from the checkpoint without rounding; every other parameter is bf16."""
     from safetensors.torch import load_file
 
     _, path = hf_checkpoints["kimi_linear"]
     llm = LLM(str(path), dtype="bfloat16")
     params = dict(llm.engine.model.named_parameters())
     kept = {n for n, p in params.items() if p.dtype == torch.float32}
-    assert kept and all(n.endswith((".gate.weight", ".e_score_correction_bias")) for n in kept)
+    assert kept and all(n.endswith((".gate.weight", ".e_score_correction_bias", ".dt_bias")) for n in kept)
+    assert any(n.endswith(".dt_bias") for n in kept)                   # KDA's, as transformers keeps it
     assert all(p.dtype == torch.bfloat16 for n, p in params.items() if n not in kept)
     from hypic.models.registry import converter
 

@@ -101,6 +101,10 @@ def _layer(cfg: ModelConfig, i: int, ops, rotary):
 
 
 class BailingHybridForCausalLM(KimiLinearForCausalLM):
+    # the router, and the KDA forget gate's dt_bias and A_log, as transformers keeps them (base.py); the short conv's
+    # weights, which transformers also keeps in fp32, stay in the engine's dtype (the conv kernels take one dtype)
+    fp32_params = (".gate.weight", ".e_score_correction_bias", ".dt_bias", ".A_log")
+
     def __init__(self, cfg: ModelConfig, ops):
         p = cfg.params
         CausalLM.__init__(self, cfg, Backbone(cfg, ops, _layer, p.qk_rope_head_dim, p.rope_parameters))

@@ -64,7 +64,8 @@ class DecoderLayer(nn.Module):
 
 
 class KimiLinearForCausalLM(CausalLM):
-    fp32_params = (".gate.weight", ".e_score_correction_bias", ".gate.expert_bias")       # the router (base.py)
+    # the router, and KDA's dt_bias (transformers' _keep_in_fp32_modules_strict; base.py)
+    fp32_params = (".gate.weight", ".e_score_correction_bias", ".dt_bias")
 
     def __init__(self, cfg: ModelConfig, ops):
         super().__init__(cfg, Backbone(cfg, ops, DecoderLayer))
