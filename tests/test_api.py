@@ -283,3 +283,33 @@ def test_a_long_segment_prefilled_in_parts_equals_one_forward(preset):
             assert x.shape == y.shape, (layer, name)
             err = (x.float() - y.float()).norm() / max(x.float().norm(), 1e-30)
             assert err < 1e-5, (layer, name, float(err))
+
+
+@pytest.mark.parametrize("mode", ["full", "prefix", "pic"])
+def test_a_long_prompt_is_prefilled_in_bounded_forwards(mode):
+    """Chunked prefill: a request with more active tokens than prefill_chunk_tokens runs its leading parts in
+    forwards of at most that many tokens (runs cut anywhere, a prefix boundary never) before the forward that
+    samples; outputs equal one forward's (1e-4 on logits: only the attention's blocking differs), and the prefix
+    cache built along the way serves a later request the same."""
+    p = Prompt(prefix=rand_ids(150, 1), segments=[rand_ids(n, 40 + n) for n in (60, 120)], query=rand_ids(260, 3))
+    sp = SamplingParams(max_tokens=3, ignore_eos=True, return_logits=True)
+    one = LLM("tiny-qwen3.5", cache_mode=mode, seam=8)
+    parts = LLM("tiny-qwen3.5", cache_mode=mode, seam=8, prefill_chunk_tokens=100)
+    sizes = []
+    real = parts.engine.model.forward
+
+    def spy(batch):
+        sizes.append(len(batch.input_ids))
+        return real(batch)
+
+    parts.engine.model.forward = spy
+    a, b = one.generate([p], sp)[0], parts.generate([p], sp)[0]
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
+    # every forward within 100 tokens, but a prefix span, never cut (prefix and pic modes: the 150-token prefix);
+    # pic's cold segment of 120 tokens keeps its 112 cached tokens in one part (a last part would be < MIN_PART)
+    assert max(sizes) <= {"full": 100, "prefix": 150, "pic": 150}[mode] and len(sizes) >= 5
+    q = Prompt(prefix=p.prefix, segments=p.segments, query=rand_ids(30, 9))
+    a, b = one.generate([q], sp)[0], parts.generate([q], sp)[0]
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)

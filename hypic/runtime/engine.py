@@ -143,13 +143,16 @@ class Engine:
                 todo.setdefault(p.boundary_keys[0], []).append(p)
         if not todo:
             return
-        builder = BatchBuilder(self.device)
+        keys = list(todo)
+        sizes = {i: len(todo[k][0].prompt.prefix) for i, k in enumerate(keys)}
         works = []
-        for key, ps in todo.items():
-            prefix = list(ps[0].prompt.prefix)
-            works.append((key, prefix, builder.add(SeqState(capacity_hint=len(prefix)),
-                                                   [("run", prefix, {"mark": True})], logits="none")))
-        self.model(builder.build(walk=self.config.walk))
+        for group in chunks(range(len(keys)), sizes, self.config.prefill_chunk_tokens):   # bounded forwards
+            builder = BatchBuilder(self.device)
+            for i in group:
+                prefix = list(todo[keys[i]][0].prompt.prefix)
+                works.append((keys[i], prefix, builder.add(SeqState(capacity_hint=len(prefix)),
+                                                           [("run", prefix, {"mark": True})], logits="none")))
+            self.model(builder.build(walk=self.config.walk))
         for key, prefix, work in works:
             node = self._node(key, None, prefix, 0, work.pieces[0].captures, todo[key][0].prompt.namespace)
             self.prefix.insert(node)
@@ -220,29 +223,36 @@ class Engine:
         return items + [("run", list(tp.query))]
 
     def _compose(self, reqs: list[Request], plans: list[PrefillPlan], defer: bool = False) -> torch.Tensor:
-        builder = BatchBuilder(self.device)
-        works = []
-        for r, p in zip(reqs, plans):
-            r.state = self._state_from(p.matched, len(r.prompt) + r.params.max_tokens)
-            works.append(builder.add(r.state, self._items(p)))
         exact = {r.policy.exact_transition for r in reqs}
         if len(exact) > 1:
             raise ValueError("naive and exact transitions cannot share a forward pass")
         exact = exact.pop()
+        builder = BatchBuilder(self.device)
+        works, heads = [], []
+        for r, p in zip(reqs, plans):
+            r.state = self._state_from(p.matched, len(r.prompt) + r.params.max_tokens)
+            *lead, last = _chunk_items(self._items(p), self.config.prefill_chunk_tokens)
+            done = []
+            for part in lead:                   # a long prompt: its leading parts first, one bounded forward each
+                b = BatchBuilder(self.device)
+                done.append(b.add(r.state, part, logits="none"))
+                self.model(b.build(exact_transition=exact, walk=self.config.walk))
+            heads.append(done)
+            works.append(builder.add(r.state, last))
         logits = None
         if self.composer is not None and len(works) == 1:      # fixed buffers / a replayed graph, if it fits
             logits = self.composer.forward(works[0], builder.ids, builder.pos, exact, defer=defer)
         if logits is None:
             logits = self.model(builder.build(exact_transition=exact, walk=self.config.walk))
-        for r, p, w in zip(reqs, plans, works):
+        for p, head, w in zip(plans, heads, works):
             if p.mode is CacheMode.PREFIX:
-                self._insert_boundaries(p, w)
+                self._insert_boundaries(p, head + [w])
         return logits
 
-    def _insert_boundaries(self, plan: PrefillPlan, work) -> None:
+    def _insert_boundaries(self, plan: PrefillPlan, works: list) -> None:
         spans = plan.boundary_spans
         k = len(plan.matched)
-        marked = [run for run in work.runs if run.mark]
+        marked = [run for work in works for run in work.runs if run.mark]
         start = sum(len(n.tokens) for n in plan.matched)
         parent = plan.matched[-1].key if plan.matched else None
         for toks, key, run in zip(spans[k:], plan.boundary_keys[k:], marked):
@@ -389,3 +399,36 @@ def _by_policy(reqs):
     for r in reqs:
         groups.setdefault(r.policy.exact_transition, []).append(r)
     return list(groups.values())
+
+
+def _chunk_items(items: list, budget: int) -> list[list]:
+    """A request's items cut into consecutive parts of at most `budget` active tokens each (chunked prefill): an
+    unmarked run may be cut anywhere; a marked run (a prefix boundary, captured whole) and an apply are never cut, so
+    a part may exceed the budget by one marked run. One part (the usual case) when the items fit."""
+    if sum(len(it[1]) for it in items if it[0] == "run") <= budget:
+        return [items]
+    parts, cur, n = [], [], 0
+    for it in items:
+        if it[0] != "run":
+            cur.append(it)
+            continue
+        toks, flags = list(it[1]), (it[2] if len(it) > 2 else {})
+        if flags.get("mark") or flags.get("summarize"):
+            if cur and n + len(toks) > budget:
+                parts.append(cur)
+                cur, n = [], 0
+            cur.append(it)
+            n += len(toks)
+            continue
+        while toks:
+            room = budget - n
+            if room <= 0:
+                parts.append(cur)
+                cur, n, room = [], 0, budget
+            cur.append(("run", toks[:room]))
+            n += len(toks[:room])
+            toks = toks[room:]
+    if cur:
+        parts.append(cur)
+    return parts
+
