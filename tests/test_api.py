@@ -288,9 +288,9 @@ def test_a_long_segment_prefilled_in_parts_equals_one_forward(preset):
 @pytest.mark.parametrize("mode", ["full", "prefix", "pic"])
 def test_a_long_prompt_is_prefilled_in_bounded_forwards(mode):
     """Chunked prefill: a request with more active tokens than prefill_chunk_tokens runs its leading parts in
-    forwards of at most that many tokens (runs cut anywhere, a prefix boundary never) before the forward that
-    samples; outputs equal one forward's (1e-4 on logits: only the attention's blocking differs), and the prefix
-    cache built along the way serves a later request the same."""
+    forwards of at most that many tokens (runs cut anywhere; a prefix-cache boundary span cut into parts whose
+    captures join) before the forward that samples; outputs equal one forward's (1e-4 on logits: only the
+    attention's blocking differs), and the prefix cache built along the way serves a later request the same."""
     p = Prompt(prefix=rand_ids(150, 1), segments=[rand_ids(n, 40 + n) for n in (60, 120)], query=rand_ids(260, 3))
     sp = SamplingParams(max_tokens=3, ignore_eos=True, return_logits=True)
     one = LLM("tiny-qwen3.5", cache_mode=mode, seam=8)
@@ -306,9 +306,20 @@ def test_a_long_prompt_is_prefilled_in_bounded_forwards(mode):
     a, b = one.generate([p], sp)[0], parts.generate([p], sp)[0]
     assert a.token_ids == b.token_ids
     torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
-    # every forward within 100 tokens, but a prefix span, never cut (prefix and pic modes: the 150-token prefix);
-    # pic's cold segment of 120 tokens keeps its 112 cached tokens in one part (a last part would be < MIN_PART)
-    assert max(sizes) <= {"full": 100, "prefix": 150, "pic": 150}[mode] and len(sizes) >= 5
+    # every forward within 100 tokens (prefix spans and the cold prefix cut into parts whose captures join), but
+    # pic's cold segment of 120 tokens, which keeps its 112 cached tokens in one part (a last part would be shorter
+    # than MIN_PART)
+    assert max(sizes) <= {"full": 100, "prefix": 100, "pic": 120}[mode] and len(sizes) >= 5
+    nodes = lambda llm: {k: llm.engine.prefix.store.peek(k) for k in llm.engine.prefix.store.keys()}  # noqa: E731
+    whole, cut = nodes(one), nodes(parts)
+    assert sorted(whole) == sorted(cut) and bool(whole) == (mode != "full")   # the same boundary nodes
+    for key, node in whole.items():
+        other = cut[key]
+        assert other.tokens == node.tokens and sorted(other.layers) == sorted(node.layers)
+        for layer, part in node.layers.items():
+            for (name, x), (_, y) in zip(part.tensors(), other.layers[layer].tensors()):
+                assert x.shape == y.shape and torch.allclose(x.float(), y.float(), atol=1e-4, rtol=1e-4), (
+                    key, layer, name)
     q = Prompt(prefix=p.prefix, segments=p.segments, query=rand_ids(30, 9))
     a, b = one.generate([q], sp)[0], parts.generate([q], sp)[0]
     assert a.token_ids == b.token_ids

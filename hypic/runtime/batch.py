@@ -29,6 +29,7 @@ class Run:
     end: int
     summarize: bool = False   # capture this run's zero-start summary (T, S, conv tail, raw K/V)
     mark: bool = False        # capture the state after this run (a prefix-cache boundary)
+    part: bool = False        # with mark: one part of a boundary span cut by chunked prefill (joins the next part)
     captures: dict[int, Any] = field(default_factory=dict)   # layer -> the mixer's captured part
 
     @property
@@ -103,6 +104,7 @@ class BatchBuilder:
                 last = pieces[-1] if pieces else None
                 if isinstance(last, Run) and not (last.summarize or last.mark) and not flags.get("summarize"):
                     last.end, last.mark = len(self.ids), bool(flags.get("mark"))   # one run: same recurrence
+                    last.part = bool(flags.get("part"))
                 else:
                     pieces.append(Run(s, len(self.ids), **flags))
             elif kind == "apply":

@@ -144,17 +144,24 @@ class Engine:
         if not todo:
             return
         keys = list(todo)
+        budget = self.config.prefill_chunk_tokens
         sizes = {i: len(todo[k][0].prompt.prefix) for i, k in enumerate(keys)}
         works = []
-        for group in chunks(range(len(keys)), sizes, self.config.prefill_chunk_tokens):   # bounded forwards
+        for group in chunks(range(len(keys)), sizes, budget):                       # bounded forwards
             builder = BatchBuilder(self.device)
             for i in group:
                 prefix = list(todo[keys[i]][0].prompt.prefix)
-                works.append((keys[i], prefix, builder.add(SeqState(capacity_hint=len(prefix)),
-                                                           [("run", prefix, {"mark": True})], logits="none")))
+                *lead, last = _chunk_items([("run", prefix, {"mark": True})], budget)
+                st, done = SeqState(capacity_hint=len(prefix)), []
+                for part in lead:                   # a prefix longer than the budget: its parts first, alone
+                    b = BatchBuilder(self.device)
+                    done.append(b.add(st, part, logits="none"))
+                    self.model(b.build(walk=self.config.walk))
+                works.append((keys[i], prefix, done + [builder.add(st, last, logits="none")]))
             self.model(builder.build(walk=self.config.walk))
-        for key, prefix, work in works:
-            node = self._node(key, None, prefix, 0, work.pieces[0].captures, todo[key][0].prompt.namespace)
+        for key, prefix, ws in works:
+            (captures,) = _spans([run for w in ws for run in w.runs if run.mark])
+            node = self._node(key, None, prefix, 0, captures, todo[key][0].prompt.namespace)
             self.prefix.insert(node)
             for p in todo[key]:
                 p.matched = [node]
@@ -252,11 +259,11 @@ class Engine:
     def _insert_boundaries(self, plan: PrefillPlan, works: list) -> None:
         spans = plan.boundary_spans
         k = len(plan.matched)
-        marked = [run for work in works for run in work.runs if run.mark]
+        marked = _spans([run for work in works for run in work.runs if run.mark])
         start = sum(len(n.tokens) for n in plan.matched)
         parent = plan.matched[-1].key if plan.matched else None
-        for toks, key, run in zip(spans[k:], plan.boundary_keys[k:], marked):
-            node = self._node(key, parent, toks, start, run.captures, plan.prompt.namespace)
+        for toks, key, captures in zip(spans[k:], plan.boundary_keys[k:], marked):
+            node = self._node(key, parent, toks, start, captures, plan.prompt.namespace)
             self.prefix.insert(node)
             parent, start = key, start + len(toks)
 
@@ -402,9 +409,10 @@ def _by_policy(reqs):
 
 
 def _chunk_items(items: list, budget: int) -> list[list]:
-    """A request's items cut into consecutive parts of at most `budget` active tokens each (chunked prefill): an
-    unmarked run may be cut anywhere; a marked run (a prefix boundary, captured whole) and an apply are never cut, so
-    a part may exceed the budget by one marked run. One part (the usual case) when the items fit."""
+    """A request's items cut into consecutive parts of at most `budget` active tokens each (chunked prefill). A run
+    may be cut anywhere: the pieces of a marked run (a prefix-cache boundary) are marked too, all but the last as
+    `part`, and their captures join again (`_spans`); a summarized run and an apply are never cut. One part (the
+    usual case) when the items fit."""
     if sum(len(it[1]) for it in items if it[0] == "run") <= budget:
         return [items]
     parts, cur, n = [], [], 0
@@ -413,7 +421,7 @@ def _chunk_items(items: list, budget: int) -> list[list]:
             cur.append(it)
             continue
         toks, flags = list(it[1]), (it[2] if len(it) > 2 else {})
-        if flags.get("mark") or flags.get("summarize"):
+        if flags.get("summarize"):
             if cur and n + len(toks) > budget:
                 parts.append(cur)
                 cur, n = [], 0
@@ -425,10 +433,39 @@ def _chunk_items(items: list, budget: int) -> list[list]:
             if room <= 0:
                 parts.append(cur)
                 cur, n, room = [], 0, budget
-            cur.append(("run", toks[:room]))
-            n += len(toks[:room])
-            toks = toks[room:]
+            piece, toks = toks[:room], toks[room:]
+            if flags.get("mark"):
+                cur.append(("run", piece, {"mark": True, "part": bool(toks)}))
+            else:
+                cur.append(("run", piece))
+            n += len(piece)
     if cur:
         parts.append(cur)
     return parts
+
+
+def _spans(marked: list) -> list[dict]:
+    """The captures of each boundary span from its marked runs in order: a span cut into parts (`part` runs, then
+    its last run) gets its keys, values and positions end to end and its linear states after the last part."""
+    from ..cache.entry import KVSpan
+
+    out, pending = [], []
+    for run in marked:
+        pending.append(run)
+        if run.part:
+            continue
+        if len(pending) == 1:
+            out.append(run.captures)
+        else:
+            joined = {}
+            for layer, last in pending[-1].captures.items():
+                if isinstance(last, KVSpan):
+                    ps = [r.captures[layer] for r in pending]
+                    joined[layer] = KVSpan(torch.cat([p.k for p in ps]), torch.cat([p.v for p in ps]),
+                                           torch.cat([p.pos for p in ps]))
+                else:                                   # a linear layer's state (and conv window) after the span
+                    joined[layer] = last
+            out.append(joined)
+        pending = []
+    return out
 
