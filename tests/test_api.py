@@ -285,16 +285,18 @@ def test_a_long_segment_prefilled_in_parts_equals_one_forward(preset):
             assert err < 1e-5, (layer, name, float(err))
 
 
-@pytest.mark.parametrize("mode", ["full", "prefix", "pic"])
-def test_a_long_prompt_is_prefilled_in_bounded_forwards(mode):
+@pytest.mark.parametrize("mode,preset", [("full", "tiny-qwen3.5"), ("prefix", "tiny-qwen3.5"), ("pic", "tiny-qwen3.5"),
+                                         ("prefix", "tiny-jamba"), ("prefix", "tiny-lfm2"), ("prefix", "tiny-zamba2"),
+                                         ("prefix", "tiny-kimi-linear")])
+def test_a_long_prompt_is_prefilled_in_bounded_forwards(mode, preset):
     """Chunked prefill: a request with more active tokens than prefill_chunk_tokens runs its leading parts in
     forwards of at most that many tokens (runs cut anywhere; a prefix-cache boundary span cut into parts whose
     captures join) before the forward that samples; outputs equal one forward's (1e-4 on logits: only the
     attention's blocking differs), and the prefix cache built along the way serves a later request the same."""
     p = Prompt(prefix=rand_ids(150, 1), segments=[rand_ids(n, 40 + n) for n in (60, 120)], query=rand_ids(260, 3))
     sp = SamplingParams(max_tokens=3, ignore_eos=True, return_logits=True)
-    one = LLM("tiny-qwen3.5", cache_mode=mode, seam=8)
-    parts = LLM("tiny-qwen3.5", cache_mode=mode, seam=8, prefill_chunk_tokens=100)
+    one = LLM(preset, cache_mode=mode, seam=8)
+    parts = LLM(preset, cache_mode=mode, seam=8, prefill_chunk_tokens=100)
     sizes = []
     real = parts.engine.model.forward
 
