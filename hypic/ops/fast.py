@@ -628,7 +628,10 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
                                            scale=scale)
         return o[0].transpose(0, 1)
     out = q.new_empty(hkv, rep, nq, dv)
-    step = max(1, _MASK_BYTES // max(1, rep * nk))
+    # queries per block: the mask [m, Nk] (bool, repeated per query head of a kv head) within _MASK_BYTES; on the CPU
+    # SDPA with a mask materialises the fp32 scores of every head as well ([H, m, Nk]), so those are bounded too
+    per_query = rep * nk if q.is_cuda else max(rep * nk, 4 * h * nk)
+    step = max(1, _MASK_BYTES // per_query)
     for a in range(0, nq, step):
         b = min(nq, a + step)
         mask = (k_pos[None, :] <= q_pos[a:b, None])                              # [m, Nk]
