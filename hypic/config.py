@@ -817,6 +817,8 @@ class TransformerParams:
     o_bias: bool
     intermediate_size: int
     mlp_bias: bool
+    sliding_window: int = 0            # Qwen2's sliding-window layers see the last `sliding_window` positions only
+    window_layers: tuple[int, ...] = ()
 
 
 def _parse_transformer(arch):
@@ -825,9 +827,11 @@ def _parse_transformer(arch):
         if g("hidden_act", "silu") != "silu":
             raise UnsupportedArchitectureError(f"{arch} with hidden_act={g('hidden_act')!r} (only silu)")
         types = tuple(g("layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
-        if g("use_sliding_window", False) or any(t != FULL for t in types):
-            # a windowed KV is not position independent (and not implemented)
-            raise UnsupportedArchitectureError(f"{arch} with sliding-window attention layers is not supported")
+        window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        window = int(g("sliding_window", 0) or 0) if window_layers else 0
+        if window_layers and window < 1:
+            raise ConfigError(f"{arch}: sliding_attention layers without a sliding_window")
+        types = tuple(FULL if t == "sliding_attention" else t for t in types)
         if arch == "qwen2":                  # q/k/v always carry a bias, o_proj never
             qkv_bias, o_bias, mlp_bias = True, False, False
         else:                                # llama: one flag for the four projections
@@ -836,7 +840,8 @@ def _parse_transformer(arch):
         params = TransformerParams(
             num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
             head_dim=g("head_dim") or hf.hidden_size // hf.num_attention_heads, rope_parameters=_rope(hf),
-            qkv_bias=qkv_bias, o_bias=o_bias, intermediate_size=hf.intermediate_size, mlp_bias=mlp_bias)
+            qkv_bias=qkv_bias, o_bias=o_bias, intermediate_size=hf.intermediate_size, mlp_bias=mlp_bias,
+            sliding_window=window, window_layers=window_layers)
         return types, params
     return parse
 
@@ -877,7 +882,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
-    "recurrent_gemma": "RG-LRU + local (sliding-window) attention: a windowed KV is not position independent",
+    "recurrent_gemma": "RG-LRU recurrence + local attention with Gemma's conventions: not implemented yet",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba2": "pure Mamba2, no attention layer: not a hybrid, not implemented",

@@ -435,3 +435,18 @@ def test_nemotron_3_moe_blocks_match_transformers(tmp_path, variant):
     assert moe.experts.up_proj.shape == (8, 32, 32 if variant == "latent" else 64)
     _check_full(model, llm)
     _pic_checks(llm)
+
+
+# -- Sliding-window attention (Qwen2's use_sliding_window) --------------------------------------------------------------
+@pytest.mark.parametrize("window", [16, 5])
+def test_qwen2_sliding_window_layers_match_transformers(tmp_path, window):
+    """Qwen2 with sliding-window attention from layer 2 on (`max_window_layers`): a query sees the keys of the last
+    `window` positions. Cached keys are placed by position as for full attention, so PIC holds as it is: invariant 2
+    (a seam covering every segment is full recomputation) and hits equal misses after the segments moved."""
+    model = hf_model("qwen2", seed=4, use_sliding_window=True, sliding_window=window, max_window_layers=2)
+    assert model.config.layer_types[2] == "sliding_attention"
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    layers = llm.engine.model.model.layers
+    assert [l.self_attn.window for l in layers] == [0, 0, window, window]
+    _check_full(model, llm)
+    _pic_checks(llm)

@@ -412,3 +412,18 @@ def test_device_fault_is_raised_not_skipped(monkeypatch):
     assert "transitions" not in fast.FAILED
     fast.kernel_failed("transitions", RuntimeError("out of resource: shared memory"))
     assert "transitions" in fast.FAILED
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window_attention_equals_reference(window):
+    """The fast backend's windowed attention (masked blocks with the window in the mask) against the reference, for
+    queries continuing held keys and for keys in any order (placed segments); 1e-6 in fp32."""
+    g = torch.Generator().manual_seed(7)
+    nq, nk, h, hkv, d = 37, 90, 4, 2, 8
+    q, k, v = _rand(nq, h, d, g=g), _rand(nk, hkv, d, g=g), _rand(nk, hkv, d, g=g)
+    k_pos = torch.randperm(nk, generator=g)
+    q_pos = torch.sort(k_pos[torch.randperm(nk, generator=g)[:nq]]).values          # each query's own key is there
+    o0 = ref.position_attention(q, k, v, q_pos, k_pos, scale=0.3, window=window)
+    o1 = fast.position_attention(q, k, v, q_pos, k_pos, scale=0.3, window=window)
+    torch.testing.assert_close(o1, o0, atol=1e-6, rtol=0)
+    assert not torch.allclose(o0, ref.position_attention(q, k, v, q_pos, k_pos, scale=0.3), atol=1e-3) or window > nk

@@ -63,14 +63,16 @@ def test_unknown_architecture(tmp_path):
         LLM(str(tmp_path))
 
 
-def test_sliding_window_transformer_is_refused():
-    """A windowed KV is not position independent: Qwen2 with sliding-window layers is refused."""
+def test_sliding_window_transformer_parses():
+    """Qwen2 with sliding-window layers (from max_window_layers on): their window is kept per layer (the oracle test
+    is in tests/test_family_variants.py)."""
     from hypic.config import ModelConfig
     from hypic.models.presets import preset_config
 
     d = dict(preset_config("tiny-qwen2"), use_sliding_window=True, sliding_window=64, max_window_layers=2)
-    with pytest.raises(UnsupportedArchitectureError, match="sliding"):
-        ModelConfig.from_dict(d)
+    c = ModelConfig.from_dict(d)
+    assert c.params.sliding_window == 64 and c.params.window_layers == (2, 3)
+    assert c.params.sliding_window == 64 and ModelConfig.from_dict(preset_config("tiny-qwen2")).params.window_layers == ()
 
 
 def test_unsupported_layer_type(hf_checkpoints, tmp_path):
@@ -111,7 +113,7 @@ def test_unsupported_layer_type_names_the_type(arch, field, value, name):
 
 def test_unsupported_hybrid_says_why(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "recurrent_gemma"}))
-    with pytest.raises(UnsupportedArchitectureError, match="recurrent_gemma.*not position independent"):
+    with pytest.raises(UnsupportedArchitectureError, match="recurrent_gemma.*RG-LRU.*not implemented"):
         LLM(str(tmp_path))
 
 

@@ -27,6 +27,7 @@ class AttentionMixer(nn.Module):
     key_dim: int
     value_dim: int
     scale: float
+    window: int = 0               # sliding-window attention: a key is seen by the next `window` positions only (0: all)
 
     def __init__(self, layer_idx: int, ops):
         super().__init__()
@@ -243,6 +244,8 @@ class AttentionMixer(nn.Module):
     def attend(self, q, k, v, q_pos, k_pos, contiguous: bool = False):
         """contiguous: k, v are in position order at consecutive positions and end with q's own tokens (a
         fresh sequence, or one continuing a cached prefix; no placed segments)."""
+        if self.window:
+            return self.ops.position_attention(q, k, v, q_pos, k_pos, scale=self.scale, window=self.window)
         return self.ops.position_attention(q, k, v, q_pos, k_pos, scale=self.scale, contiguous=contiguous)
 
 

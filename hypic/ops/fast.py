@@ -569,7 +569,8 @@ _MANY_CONTINUING = 256
 _CPU_EXPLICIT_QUERIES = 32
 
 
-def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False):
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False,
+                       window: int = 0):
     """SDPA behind the reference signature. contiguous: the keys are in position order, at consecutive
     positions, and end with the queries' own tokens (a fresh sequence: keys == queries; or a request
     continuing a cached prefix): causal attention aligned at the bottom right, which flash serves
@@ -580,6 +581,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
     rep = h // hkv
+    if window:                                  # sliding window: the masked blocks, the window in their mask
+        return _masked_blocks(q, k, v, q_pos, k_pos, scale, window)
     few = h * nq * nk * 4 <= _SCORES_BYTES
     # (fp32 stays on the explicit path: the kernel's products are tf32 on the GPU; so does autograd: the
     # kernel has no backward)
@@ -627,6 +630,17 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ke, ve, attn_mask=causal_lower_right(nq, nk),
                                            scale=scale)
         return o[0].transpose(0, 1)
+    return _masked_blocks(q, k, v, q_pos, k_pos, scale, 0)
+
+
+def _masked_blocks(q, k, v, q_pos, k_pos, scale: float, window: int):
+    """SDPA over blocks of queries, each with its [queries, keys] mask from the positions (causal, and the sliding
+    window when window > 0)."""
+    nq, h, d = q.shape
+    nk, (hkv, dv) = k_pos.shape[0], v.shape[1:]
+    rep = h // hkv
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                  # [1, Hkv, Nk, D]
+    qf = q.view(nq, hkv, rep, d).permute(1, 2, 0, 3)                             # [Hkv, rep, Nq, D]
     out = q.new_empty(hkv, rep, nq, dv)
     # queries per block: the mask [m, Nk] (bool, repeated per query head of a kv head) within _MASK_BYTES; on the CPU
     # SDPA with a mask materialises the fp32 scores of every head as well ([H, m, Nk]), so those are bounded too
@@ -635,6 +649,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     for a in range(0, nq, step):
         b = min(nq, a + step)
         mask = (k_pos[None, :] <= q_pos[a:b, None])                              # [m, Nk]
+        if window:
+            mask &= k_pos[None, :] > q_pos[a:b, None] - window
         m = b - a
         qq = qf[:, :, a:b].reshape(1, hkv, rep * m, d)
         o = F.scaled_dot_product_attention(qq, kt, vt, attn_mask=mask.repeat(rep, 1)[None, None], scale=scale)

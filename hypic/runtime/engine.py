@@ -70,10 +70,13 @@ class Engine:
         self._invalidated = 0
         tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(tok.eos_token_ids if tok else ())
-        mode = config.decode_mode
+        # sliding-window attention runs on the planned paths only (the fixed-buffer decode and compose attention take
+        # no window): dynamic decode, eager compose
+        windowed = any(getattr(m, "window", 0) for m in self.model.mixers.values())
+        mode = "dynamic" if windowed else config.decode_mode
         self.decoder = None if mode == "dynamic" else StaticDecoder(
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=mode == "graph")
-        cmode = config.compose_mode
+        cmode = "eager" if windowed else config.compose_mode
         self.composer = None if cmode == "eager" else GraphCompose(
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=cmode == "graph",
             pieces=config.compose_pieces, first_piece=config.compose_first_piece)

@@ -4,7 +4,8 @@ Layout:
     q      [Nq, H, D]        queries of one sequence
     k, v   [Nk, Hkv, D(v)]   keys/values of the same sequence, in any order (post-RoPE keys)
     q_pos  [Nq], k_pos [Nk]  absolute positions (int64)
-Causal by position: query i sees key j iff k_pos[j] <= q_pos[i]. Keys may come from cached
+Causal by position: query i sees key j iff k_pos[j] <= q_pos[i] (and, with a sliding window W,
+q_pos[i] - k_pos[j] < W). Keys may come from cached
 segments placed at new positions, a prefix cache and fresh tokens, in any order: softmax does
 not care about order, only the mask does.
 """
@@ -14,9 +15,11 @@ from __future__ import annotations
 import torch
 
 
-def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False):
+def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False,
+                       window: int = 0):
     """contiguous, sorted_keys (hints the fast backend uses; the mask here is the same either way): the keys
-    are exactly the queries' tokens, in position order; k_pos is non-decreasing."""
+    are exactly the queries' tokens, in position order; k_pos is non-decreasing. window > 0: sliding-window
+    attention, a key visible only to queries fewer than `window` positions after it."""
     h, hkv = q.shape[1], k.shape[1]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
@@ -25,6 +28,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     v = v.repeat_interleave(rep, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     mask = k_pos[None, :] <= q_pos[:, None]                              # [Nq, Nk]
+    if window:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
     scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.einsum("hqk,khd->qhd", probs, v)
