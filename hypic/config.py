@@ -804,6 +804,51 @@ def _parse_zamba(hf):
 
 
 @dataclass(frozen=True)
+class LaraMiniParams:
+    """Lara-mini (`lara_mini`): Qwen3.5's Gated DeltaNet layers, and Qwen3-style attention (q / k RMSNorm per head)
+    in two kinds: sliding-window layers with RoPE, and full-attention layers with no positional encoding; every layer
+    followed by a softmax top-k MoE (router in fp32) plus a shared expert added in full. The GDN field names are those
+    layers/gdn.py reads."""
+
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    rope_parameters: tuple
+    sliding_window: int
+    window_layers: tuple[int, ...]     # the sliding layers: RoPE and the window; the other attention layers: NoPE
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+
+
+def _parse_lara_mini(hf):
+    if hf.hidden_act != "silu":
+        raise UnsupportedArchitectureError(f"lara_mini with hidden_act={hf.hidden_act!r} (only silu)")
+    raw = list(hf.layer_types)
+    window_layers = tuple(i for i, t in enumerate(raw) if t == "sliding_attention")
+    if window_layers and not hf.sliding_window:
+        raise ConfigError("lara_mini: sliding_attention layers without a sliding_window")
+    params = LaraMiniParams(
+        linear_num_key_heads=hf.linear_num_key_heads, linear_num_value_heads=hf.linear_num_value_heads,
+        linear_key_head_dim=hf.linear_key_head_dim, linear_value_head_dim=hf.linear_value_head_dim,
+        linear_conv_kernel_dim=hf.linear_conv_kernel_dim, num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads, head_dim=hf.head_dim, attention_bias=bool(hf.attention_bias),
+        rope_parameters=_rope(hf), sliding_window=int(hf.sliding_window or 0), window_layers=window_layers,
+        num_experts=int(hf.num_experts), num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.moe_intermediate_size),
+        shared_expert_intermediate_size=int(hf.shared_expert_intermediate_size), norm_topk_prob=bool(hf.norm_topk_prob))
+    return tuple(FULL if t == "sliding_attention" else t for t in raw), params
+
+
+@dataclass(frozen=True)
 class TransformerParams:
     """Plain decoder-only transformers (Llama, Qwen2): every layer is full attention with RoPE,
     SwiGLU MLP, plain RMSNorm. A hybrid with no linear layers: PIC reduces to per-segment
@@ -875,6 +920,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "bamba": ArchSpec("bamba", "bamba", _parse_bamba),
     "zamba2": ArchSpec("zamba2", "zamba2", _parse_zamba2),
     "zamba": ArchSpec("zamba", "zamba", _parse_zamba),
+    "lara_mini": ArchSpec("lara_mini", "lara_mini", _parse_lara_mini),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),

@@ -44,6 +44,7 @@ ARCHS = {
     "bamba": ("tiny-bamba", "BambaForCausalLM"),
     "zamba2": ("tiny-zamba2", "Zamba2ForCausalLM"),
     "zamba": ("tiny-zamba", "ZambaForCausalLM"),
+    "lara_mini": ("tiny-lara-mini", "LaraMiniForCausalLM"),
     "llama": ("tiny-llama", "LlamaForCausalLM"),
     "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }

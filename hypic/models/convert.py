@@ -228,6 +228,24 @@ def olmo_hybrid(tensors: dict, cfg: ModelConfig) -> dict:
     return _common(_join_convs(t, "linear_attn"), cfg)
 
 
+def lara_mini(tensors: dict, cfg: ModelConfig) -> dict:
+    """The released layout (transformers writes it back so): a GDN layer's input projections fused into one `in_proj`,
+    rows [q | k | v | z | b | a], split here; its gated norm named `out_norm`."""
+    p = cfg.params
+    kd, vd = p.linear_num_key_heads * p.linear_key_head_dim, p.linear_num_value_heads * p.linear_value_head_dim
+    hv = p.linear_num_value_heads
+    out = {}
+    for name, t in _rename(tensors, [(r"\.linear_attn\.out_norm\.", ".linear_attn.norm.")]).items():
+        if name.endswith(".linear_attn.in_proj.weight"):
+            base = name[: -len("in_proj.weight")]
+            qkv, z, b, a = torch.split(t, [2 * kd + vd, vd, hv, hv], dim=0)
+            out[base + "in_proj_qkv.weight"], out[base + "in_proj_z.weight"] = qkv, z
+            out[base + "in_proj_b.weight"], out[base + "in_proj_a.weight"] = b, a
+        else:
+            out[name] = t
+    return _common(out, cfg)
+
+
 def bamba(tensors: dict, cfg: ModelConfig) -> dict:
     """transformers' BambaForCausalLM layout as saved (no renames)."""
     return _common(tensors, cfg)

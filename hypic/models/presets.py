@@ -177,6 +177,17 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None,
         initializer_range=0.02,
     ),
+    # Lara-mini: GDN, sliding-window attention with RoPE (window 12), full attention without, MoE after every layer.
+    "tiny-lara-mini": dict(
+        model_type="lara_mini", vocab_size=320, hidden_size=64, num_hidden_layers=5,
+        layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention",
+                     "sliding_attention"], sliding_window=12, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, norm_topk_prob=True, rope_parameters={"rope_type": "default",
+        "rope_theta": 10000.0}, max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # Zamba: two-head Mamba1 layers and two hybrid layers sharing one block (NoPE GQA attention, GELU MLP).
     "tiny-zamba": dict(
         model_type="zamba", vocab_size=320, hidden_size=64, num_hidden_layers=6,
