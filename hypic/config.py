@@ -804,6 +804,47 @@ def _parse_zamba(hf):
 
 
 @dataclass(frozen=True)
+class Lfm3Params:
+    """LFM3 (`lfm3`): LFM2's gated short convs (conv_L_cache wide) and attention layers of two kinds, sliding-window
+    and full, each with its own RoPE parameters (`rope_by_type`: the full layers' are "proportional", a partial
+    rotation over the whole head), q / k RMSNorm per head and a sigmoid gate per head on the output; norms after the
+    mixer and the MLP as well as before them (`sandwich`); a SwiGLU MLP (w1 / w3 / w2) in every layer."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    conv_kernel: int
+    conv_bias: bool
+    intermediate_size: int
+    attention_bias: bool
+    attention_gate: bool
+    sandwich: bool
+    sliding_window: int
+    window_layers: tuple[int, ...]
+    rope_by_type: tuple                # ((layer type, sorted rope items), ...)
+
+
+def _parse_lfm3(hf):
+    raw = list(hf.layer_types)
+    window_layers = tuple(i for i, t in enumerate(raw) if t == "sliding_attention")
+    rope = dict(hf.rope_parameters or {})
+    by_type = tuple((t, tuple(sorted(dict(rope[t]).items()))) for t in ("full_attention", "sliding_attention")
+                    if t in rope)
+    params = Lfm3Params(
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        conv_kernel=hf.conv_L_cache, conv_bias=bool(hf.conv_bias), intermediate_size=hf.intermediate_size,
+        attention_bias=bool(hf.attention_bias), attention_gate=bool(hf.use_attention_gate),
+        sandwich=bool(hf.use_sandwich_norm), sliding_window=int(hf.sliding_window or 0) if window_layers else 0,
+        window_layers=window_layers, rope_by_type=by_type)
+    missing = {t for t in raw if t != "conv"} - {t for t, _ in by_type}
+    if missing:
+        raise ConfigError(f"lfm3: no RoPE parameters for the layer types {sorted(missing)}")
+    return tuple(LINEAR if t == "conv" else FULL if t in ("full_attention", "sliding_attention") else t
+                 for t in raw), params
+
+
+@dataclass(frozen=True)
 class LaraMiniParams:
     """Lara-mini (`lara_mini`): Qwen3.5's Gated DeltaNet layers, and Qwen3-style attention (q / k RMSNorm per head)
     in two kinds: sliding-window layers with RoPE, and full-attention layers with no positional encoding; every layer
@@ -921,6 +962,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "zamba2": ArchSpec("zamba2", "zamba2", _parse_zamba2),
     "zamba": ArchSpec("zamba", "zamba", _parse_zamba),
     "lara_mini": ArchSpec("lara_mini", "lara_mini", _parse_lara_mini),
+    "lfm3": ArchSpec("lfm3", "lfm3", _parse_lfm3),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),

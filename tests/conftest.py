@@ -45,6 +45,7 @@ ARCHS = {
     "zamba2": ("tiny-zamba2", "Zamba2ForCausalLM"),
     "zamba": ("tiny-zamba", "ZambaForCausalLM"),
     "lara_mini": ("tiny-lara-mini", "LaraMiniForCausalLM"),
+    "lfm3": ("tiny-lfm3", "Lfm3ForCausalLM"),
     "llama": ("tiny-llama", "LlamaForCausalLM"),
     "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }

@@ -439,15 +439,16 @@ def test_fused_norms_and_gate_match_reference():
 @cuda
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-granite-4.0-h", "tiny-olmo-hybrid", "tiny-falcon-h1",
                                     "tiny-bamba", "tiny-zamba2", "tiny-zamba", "tiny-lfm2-moe",
-                                    "tiny-nemotron-3", "tiny-kimi-linear", "tiny-lara-mini"])
+                                    "tiny-nemotron-3", "tiny-kimi-linear", "tiny-lara-mini",
+                                    "tiny-lfm3"])
 def test_engine_bf16_cuda_matches_cpu_reference(preset):
     """The same weights in fp32 on the CPU (reference ops) and bf16 on CUDA (fast ops); the bound is
     twice the CPU reference's own error in bf16 on this model (gpu_check.py explains why). Granite 4.0-H,
     OLMo-Hybrid and Falcon-H1: their Mamba2 and GDN layers (beta in [0, 2]) through fla's kernels, and Falcon-H1's
     two stateful mixers per layer; Bamba, Zamba2 and Zamba (shared blocks reading the embeddings, Zamba's multi-head
     Mamba1), LFM2-MoE, Nemotron 3 (relu² experts by grouped GEMM), Kimi-Linear (its router and dt_bias kept fp32
-    in bf16) and Lara-mini (sliding-window attention through the masked blocks) added after the last GPU run (not yet
-    run there)."""
+    in bf16), Lara-mini and LFM3 (sliding-window attention through the masked blocks) added after the last GPU run
+    (not yet run there)."""
     from hypic import LLM, Prompt
 
     cpu = LLM(preset, device="cpu", dtype="float32", backend="reference")

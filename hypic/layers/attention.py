@@ -260,7 +260,7 @@ class RopeAttention(AttentionMixer):
     def _rope(self, positions, dtype, batch, key="rope"):
         if batch is None:
             return self.rotary[0].cos_sin(positions, dtype)
-        key = (key, "rope", dtype)
+        key = (key, "rope", dtype, id(self.rotary[0]))     # per table: a model may have several (LFM3's per kind)
         if key not in batch.scratch:
             batch.scratch[key] = self.rotary[0].cos_sin(positions, dtype)
         return batch.scratch[key]

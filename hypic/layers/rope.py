@@ -15,7 +15,10 @@ from ..errors import UnsupportedArchitectureError
 from ..ops.reference.attention import rope_into
 
 
-def inverse_frequencies(cfg: ModelConfig, rotary_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(cfg: ModelConfig, rotary_dim: int, rope: dict, layer_type: str | None = None
+                        ) -> tuple[torch.Tensor, float]:
+    """layer_type: a model with RoPE parameters per layer type (LFM3) names the type; transformers' init reads them
+    from there."""
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         base = rope.get("rope_theta", 10000.0)
@@ -28,15 +31,16 @@ def inverse_frequencies(cfg: ModelConfig, rotary_dim: int, rope: dict) -> tuple[
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedArchitectureError(f"unsupported rope_type {rope_type!r}")
     hf = cfg.hf_config()
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+    inv, scaling = (ROPE_INIT_FUNCTIONS[rope_type](hf, None) if layer_type is None
+                    else ROPE_INIT_FUNCTIONS[rope_type](hf, None, layer_type=layer_type))
     return inv.float(), float(scaling)
 
 
 class Rotary(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary_dim: int, rope: dict):
+    def __init__(self, cfg: ModelConfig, rotary_dim: int, rope: dict, layer_type: str | None = None):
         super().__init__()
         with torch.device("cpu"):            # real numbers even when the modules are built on "meta"
-            inv, self.scaling = inverse_frequencies(cfg, rotary_dim, rope)
+            inv, self.scaling = inverse_frequencies(cfg, rotary_dim, rope, layer_type)
         self.inv_freq = inv          # fp32 always: a plain attribute, so model.to(dtype) leaves it alone
         self.rotary_dim = rotary_dim
 

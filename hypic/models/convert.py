@@ -228,6 +228,11 @@ def olmo_hybrid(tensors: dict, cfg: ModelConfig) -> dict:
     return _common(_join_convs(t, "linear_attn"), cfg)
 
 
+def lfm3(tensors: dict, cfg: ModelConfig) -> dict:
+    """The released layout names the attention's head gate `gate_proj` (transformers' module: `g_proj`)."""
+    return _common(_rename(tensors, [(r"\.self_attn\.gate_proj\.", ".self_attn.g_proj.")]), cfg)
+
+
 def lara_mini(tensors: dict, cfg: ModelConfig) -> dict:
     """The released layout (transformers writes it back so): a GDN layer's input projections fused into one `in_proj`,
     rows [q | k | v | z | b | a], split here; its gated norm named `out_norm`."""

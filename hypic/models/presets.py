@@ -177,6 +177,19 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None,
         initializer_range=0.02,
     ),
+    # LFM3: short convs (width 7), sliding-window attention (window 12, RoPE) and full attention ("proportional" RoPE
+    # on half of each head's pairs), sandwich norms, per-head output gates.
+    "tiny-lfm3": dict(
+        model_type="lfm3", vocab_size=320, hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+        layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, conv_L_cache=7, conv_bias=False,
+        sliding_window=12, use_sandwich_norm=True, use_attention_gate=True, norm_eps=1e-5,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                            "partial_rotary_factor": 0.5}},
+        max_position_embeddings=65536, tie_word_embeddings=True, eos_token_id=256, bos_token_id=None,
+        pad_token_id=None, initializer_range=0.02,
+    ),
     # Lara-mini: GDN, sliding-window attention with RoPE (window 12), full attention without, MoE after every layer.
     "tiny-lara-mini": dict(
         model_type="lara_mini", vocab_size=320, hidden_size=64, num_hidden_layers=5,

@@ -25,6 +25,7 @@ _MODELS = {
     "falcon_h1": ("hypic.models.falcon_h1", "FalconH1ForCausalLM", "hypic.models.convert", "falcon_h1"),
     "olmo_hybrid": ("hypic.models.olmo_hybrid", "OlmoHybridForCausalLM", "hypic.models.convert", "olmo_hybrid"),
     "bamba": ("hypic.models.bamba", "BambaForCausalLM", "hypic.models.convert", "bamba"),
+    "lfm3": ("hypic.models.lfm3", "Lfm3ForCausalLM", "hypic.models.convert", "lfm3"),
     "lara_mini": ("hypic.models.lara_mini", "LaraMiniForCausalLM", "hypic.models.convert", "lara_mini"),
     "zamba2": ("hypic.models.zamba", "ZambaForCausalLM", "hypic.models.convert", "zamba"),
     "zamba": ("hypic.models.zamba", "ZambaForCausalLM", "hypic.models.convert", "zamba"),
