@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..runtime.batch import Apply, ForwardBatch
 from ..runtime.state import KVBuffer, StaticKV
 from .joined import JoinedWeights
-from .norm import RMSNorm
+from .norm import RMSNorm, ScaledRMSNorm
 
 
 
@@ -361,3 +361,18 @@ class Attention(RopeAttention):
 
     def output(self, x, out, extra):
         return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class HeadNormAttention(Attention):
+    """Attention with an RMSNorm over each head's queries and keys (`q_norm`, `k_norm`; Qwen3's convention: Lara-mini,
+    LFM3). norm: the RMSNorm class (the family's rounding)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary, norm=ScaledRMSNorm):
+        super().__init__(cfg, layer_idx, ops, rotary)
+        self.q_norm = norm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = norm(self.hd, cfg.rms_norm_eps)
+
+    def project(self, x, batch):
+        q, k, v, extra = super().project(x, batch)
+        return self.q_norm(q), self.k_norm(k), v, extra
+

@@ -81,7 +81,8 @@ class LinearMixer(nn.Module):
         """Bytes of a request's state in this layer, whatever its length: the fp32 recurrent state and the conv tail
         (elem bytes per number)."""
         h, k, v = self.state_shape
-        return 4 * h * k * v + (self.conv_width - 1) * self.conv_dim * elem if self.conv_width else 4 * h * k * v
+        conv = (self.conv_width - 1) * self.conv_dim * elem if self.conv_width else 0
+        return 4 * h * k * v + conv
 
     def new_state(self, device, dtype, capacity: int) -> LinearState:
         h, k, v = self.state_shape

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import LINEAR, ModelConfig
-from ..layers.attention import RopeAttention
+from ..layers.attention import HeadNormAttention
 from ..layers.gdn import GatedDeltaNet
 from ..layers.mlp import MLP, Experts, Router
 from ..layers.norm import FP32ScaledRMSNorm
@@ -18,31 +18,12 @@ from ..runtime.batch import ForwardBatch
 from .base import Backbone, CausalLM, uniform
 
 
-class LaraAttention(RopeAttention):
+class LaraAttention(HeadNormAttention):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
-        p = cfg.params
-        windowed = layer_idx in p.window_layers
-        super().__init__(layer_idx, ops, rotary if windowed else None)       # the full-attention layers: NoPE
-        hs, bias = cfg.hidden_size, p.attention_bias
-        self.nh, self.num_kv_heads, self.hd = p.num_attention_heads, p.num_key_value_heads, p.head_dim
-        self.key_dim = self.value_dim = self.hd
-        self.q_proj = nn.Linear(hs, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
-        self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=bias)
-        self.q_norm = FP32ScaledRMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = FP32ScaledRMSNorm(self.hd, cfg.rms_norm_eps)
-        self.scale = self.hd ** -0.5
-        self.window = p.sliding_window if windowed else 0
-
-    def project(self, x, batch):
-        n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.nh, self.hd))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.hd))
-        return q, k, self.v_proj(x).view(n, self.num_kv_heads, self.hd), None
-
-    def output(self, x, out, extra):
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        windowed = layer_idx in cfg.params.window_layers
+        # the full-attention layers: NoPE; norms multiply in fp32
+        super().__init__(cfg, layer_idx, ops, rotary if windowed else None, norm=FP32ScaledRMSNorm)
+        self.window = cfg.params.sliding_window if windowed else 0
 
 
 class LaraMoe(nn.Module):

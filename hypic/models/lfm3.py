@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import FULL, ModelConfig
-from ..layers.attention import RopeAttention
+from ..layers.attention import HeadNormAttention
 from ..layers.norm import ScaledRMSNorm
 from ..layers.rope import Rotary
 from ..layers.short_conv import ShortConv
@@ -19,28 +19,16 @@ from .base import Backbone, CausalLM
 from .lfm2 import FeedForward
 
 
-class Lfm3Attention(RopeAttention):
+class Lfm3Attention(HeadNormAttention):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
-        super().__init__(layer_idx, ops, rotary)
-        p, hs = cfg.params, cfg.hidden_size
-        self.nh, self.num_kv_heads, self.hd = p.num_attention_heads, p.num_key_value_heads, p.head_dim
-        self.key_dim = self.value_dim = self.hd
-        self.q_proj = nn.Linear(hs, self.nh * self.hd, bias=p.attention_bias)
-        self.k_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=p.attention_bias)
-        self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=p.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=p.attention_bias)
-        self.q_norm = ScaledRMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = ScaledRMSNorm(self.hd, cfg.rms_norm_eps)
-        self.g_proj = nn.Linear(hs, self.nh, bias=False) if p.attention_gate else None
-        self.scale = self.hd ** -0.5
+        super().__init__(cfg, layer_idx, ops, rotary)
+        p = cfg.params
+        self.g_proj = nn.Linear(cfg.hidden_size, self.nh, bias=False) if p.attention_gate else None
         self.window = p.sliding_window if layer_idx in p.window_layers else 0
 
     def project(self, x, batch):
-        n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.nh, self.hd))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.hd))
-        gate = self.g_proj(x) if self.g_proj is not None else None
-        return q, k, self.v_proj(x).view(n, self.num_kv_heads, self.hd), gate
+        q, k, v, _ = super().project(x, batch)
+        return q, k, v, (self.g_proj(x) if self.g_proj is not None else None)
 
     def output(self, x, out, gate):
         n = x.shape[0]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LINEAR, ModelConfig
-from ..layers.attention import RopeAttention
+from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
 from ..layers.joined import JoinedWeights
 from ..layers.mlp import MLP
@@ -60,28 +60,19 @@ class OlmoGatedDeltaNet(GatedDeltaNet):
         return self.o_proj(self.o_norm(o.reshape(-1, self.dv), z).reshape(x.shape[0], self.value_dim))
 
 
-class OlmoAttention(RopeAttention):
+class OlmoAttention(Attention):
+    """OLMo 3: q / k RMSNorm over all heads at once, before the heads are split."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
-        super().__init__(layer_idx, ops, rotary)
-        p, hs = cfg.params, cfg.hidden_size
-        self.nh, self.num_kv_heads, self.hd = p.num_attention_heads, p.num_key_value_heads, p.head_dim
-        self.key_dim = self.value_dim = self.hd
-        self.q_proj = nn.Linear(hs, self.nh * self.hd, bias=p.attention_bias)
-        self.k_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=p.attention_bias)
-        self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=p.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=p.attention_bias)
+        super().__init__(cfg, layer_idx, ops, rotary)
         self.q_norm = FP32ScaledRMSNorm(self.nh * self.hd, cfg.rms_norm_eps)
         self.k_norm = FP32ScaledRMSNorm(self.num_kv_heads * self.hd, cfg.rms_norm_eps)
-        self.scale = self.hd ** -0.5
 
     def project(self, x, batch):
         n = x.shape[0]
         q = self.q_norm(self.q_proj(x)).view(n, self.nh, self.hd)
         k = self.k_norm(self.k_proj(x)).view(n, self.num_kv_heads, self.hd)
         return q, k, self.v_proj(x).view(n, self.num_kv_heads, self.hd), None
-
-    def output(self, x, out, extra):
-        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class DecoderLayer(nn.Module):

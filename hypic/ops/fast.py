@@ -773,12 +773,18 @@ def experts_forward(x, weights, experts, gate_up, down):
     xs = x[order // k]
     gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)     # [n*k, H]
+    return _combine(ys, order, weights, x.dtype)
+
+
+def _combine(ys, order, weights, dtype):
+    """The experts' rows (sorted by expert, `order`) back in token order by a gather (a scatter of n*k rows costs
+    more), then the weighted sum of each token's k rows as one batched GEMM (fp32 accumulation inside, no fp32 copy
+    of the n*k rows)."""
+    n, k = weights.shape
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
-    # back in token order by a gather (a scatter of n*k rows costs more), then the weighted sum of each
-    # token's k rows as one batched GEMM (fp32 accumulation inside, no fp32 copy of the n*k rows)
     y = ys[inv].view(n, k, -1)
-    return torch.bmm(weights.to(y.dtype).view(n, 1, k), y).view(n, -1).to(x.dtype)
+    return torch.bmm(weights.to(y.dtype).view(n, 1, k), y).view(n, -1).to(dtype)
 
 
 def _grouped_dims(*weights) -> bool:
@@ -797,7 +803,4 @@ def experts_forward_plain(x, weights, experts, up, down, act: str = "relu2"):
     order, offs = _sort_by_expert(experts.reshape(-1), up.shape[0], False)
     h = torch._grouped_mm(x[order // k], up.transpose(1, 2), offs=offs)
     ys = torch._grouped_mm(F.relu(h).square(), down.transpose(1, 2), offs=offs)          # [n*k, H]
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    y = ys[inv].view(n, k, -1)
-    return torch.bmm(weights.to(y.dtype).view(n, 1, k), y).view(n, -1).to(x.dtype)
+    return _combine(ys, order, weights, x.dtype)

@@ -55,11 +55,9 @@ def prefill_segments(model, slots, device, forward=None, starts=None, max_tokens
     for i, slot in enumerate(slots):
         items = [("run", list(slot.tokens[: slot.seam])), ("run", list(slot.tokens[slot.seam:]), {"summarize": True})]
         start = starts[i] if starts is not None else None
-        if start is not None and start.length != len(slot.anchor):
-            raise ValueError(f"a start state of {start.length} tokens for an anchor of {len(slot.anchor)}")
+        st = _sequence(slot, start)
         if slot.anchor and start is None:      # run first, captured nowhere: the segment's tokens attend to it
             items.insert(0, ("run", list(slot.anchor)))
-        st = start if start is not None else SeqState(capacity_hint=len(slot.anchor) + len(slot.tokens))
         works.append(builder.add(st, items, logits="none"))
     batch = builder.build()
     t0 = time.perf_counter()
@@ -74,6 +72,13 @@ def prefill_segments(model, slots, device, forward=None, starts=None, max_tokens
     return entries
 
 
+def _sequence(slot, start) -> SeqState:
+    """The state a segment's isolated prefill runs on: `start` (after its anchor, restored) or a fresh one."""
+    if start is not None and start.length != len(slot.anchor):
+        raise ValueError(f"a start state of {start.length} tokens for an anchor of {len(slot.anchor)}")
+    return start if start is not None else SeqState(capacity_hint=len(slot.anchor) + len(slot.tokens))
+
+
 def _parts(n: int, size: int) -> list[tuple[int, int]]:
     """[0, n) cut into consecutive parts of `size` tokens; a last part shorter than MIN_PART joins the one before."""
     cuts = list(range(0, n, size)) + [n]
@@ -85,9 +90,7 @@ def _parts(n: int, size: int) -> list[tuple[int, int]]:
 def _prefill_in_parts(model, slot, device, forward, start, size: int) -> SegmentEntry:
     """One segment whose cached part is longer than `size`: the seam and the first part in one forward, each next
     part in its own forward on the same sequence state, the summarized captures joined (module doc)."""
-    if start is not None and start.length != len(slot.anchor):
-        raise ValueError(f"a start state of {start.length} tokens for an anchor of {len(slot.anchor)}")
-    st = start if start is not None else SeqState(capacity_hint=len(slot.anchor) + len(slot.tokens))
+    st = _sequence(slot, start)
     rest = list(slot.tokens[slot.seam:])
     caps, elapsed = [], 0.0
     for j, (a, b) in enumerate(_parts(len(rest), size)):

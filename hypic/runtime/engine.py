@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.entry import PrefixNode
+from ..cache.entry import KVSpan, PrefixNode
 from ..cache.prefix import PrefixCache
 from ..cache.store import Doorkeeper
 from ..cache.tiers import TieredStore
@@ -450,8 +450,6 @@ def _chunk_items(items: list, budget: int) -> list[list]:
 def _spans(marked: list) -> list[dict]:
     """The captures of each boundary span from its marked runs in order: a span cut into parts (`part` runs, then
     its last run) gets its keys, values and positions end to end and its linear states after the last part."""
-    from ..cache.entry import KVSpan
-
     out, pending = [], []
     for run in marked:
         pending.append(run)
