@@ -933,6 +933,43 @@ def _parse_transformer(arch):
 
 
 @dataclass(frozen=True)
+class RecurrentGemmaParams:
+    """RecurrentGemma (Griffin): RG-LRU recurrent blocks and local sliding-window attention in the repeated
+    `block_types` pattern, GeGLU MLPs with biases, Gemma's norms and embedding scale, soft-capped logits."""
+
+    num_attention_heads: int           # attention heads, and the RG-LRU's gate blocks
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int                    # RoPE on the first half of each head (partial_rotary_factor)
+    rope_parameters: tuple
+    attention_bias: bool               # q/k/v; o_proj always has a bias
+    attention_window_size: int
+    lru_width: int
+    conv1d_width: int
+    intermediate_size: int             # the MLP is intermediate_size // 2 wide (as transformers builds it)
+    hidden_activation: str
+    logits_soft_cap: float
+
+
+def _parse_recurrent_gemma(hf):
+    rope = dict(_rope(hf))
+    if rope.get("rope_type", "default") != "default":
+        raise UnsupportedArchitectureError(f"recurrent_gemma with rope_type {rope.get('rope_type')!r} (only default)")
+    if hf.lru_width % hf.num_attention_heads:
+        raise ConfigError(f"recurrent_gemma: lru_width {hf.lru_width} is not a multiple of num_attention_heads "
+                          f"{hf.num_attention_heads}")
+    head_dim = hf.head_dim
+    params = RecurrentGemmaParams(
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads, head_dim=head_dim,
+        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)), rope_parameters=_rope(hf),
+        attention_bias=bool(hf.attention_bias), attention_window_size=int(hf.attention_window_size),
+        lru_width=int(hf.lru_width), conv1d_width=int(hf.conv1d_width), intermediate_size=int(hf.intermediate_size),
+        hidden_activation=hf.hidden_activation, logits_soft_cap=float(hf.logits_soft_cap or 0.0))
+    types = {"linear_attention": LINEAR, "sliding_attention": FULL}
+    return tuple(types.get(t, t) for t in hf.layers_block_type), params
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str          # hypic architecture: selects the model module (models/registry.py)
     hf_type: str | None  # transformers model_type whose config class parses the dict (None: remote code)
@@ -963,6 +1000,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "zamba": ArchSpec("zamba", "zamba", _parse_zamba),
     "lara_mini": ArchSpec("lara_mini", "lara_mini", _parse_lara_mini),
     "lfm3": ArchSpec("lfm3", "lfm3", _parse_lfm3),
+    "recurrent_gemma": ArchSpec("recurrent_gemma", "recurrent_gemma", _parse_recurrent_gemma),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),
@@ -970,7 +1008,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
-    "recurrent_gemma": "RG-LRU recurrence + local attention with Gemma's conventions: not implemented yet",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba2": "pure Mamba2, no attention layer: not a hybrid, not implemented",

@@ -46,6 +46,7 @@ ARCHS = {
     "zamba": ("tiny-zamba", "ZambaForCausalLM"),
     "lara_mini": ("tiny-lara-mini", "LaraMiniForCausalLM"),
     "lfm3": ("tiny-lfm3", "Lfm3ForCausalLM"),
+    "recurrent_gemma": ("tiny-recurrent-gemma", "RecurrentGemmaForCausalLM"),
     "llama": ("tiny-llama", "LlamaForCausalLM"),
     "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }
@@ -103,8 +104,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.mul_(8.0)
             elif name.endswith("x_proj_weight"):  # Zamba's per-head x_proj: B and C at O(1) (no norms after it)
                 p.mul_(25.0)
-            elif arch in ("llama", "qwen2") and name.endswith("bias"):   # zero at init: make them count
+            elif arch in ("llama", "qwen2", "recurrent_gemma") and name.endswith("bias"):   # zero at init: make them count
                 p.copy_(torch.randn_like(p) * 0.1)
+            elif arch == "recurrent_gemma" and name.endswith(("gate_weight", "conv_1d.weight")):
+                p.mul_(10.0)                       # the RG-LRU's gates and conv at O(1): their inputs show
         if arch == "lfm2_moe":                    # the selection-only expert bias (a buffer, zero at init): make it count
             for name, b in model.named_buffers():
                 if name.endswith("expert_bias"):

@@ -4,7 +4,7 @@ them: each segment's seam [0, w) forwarded in context and its isolated summary o
 from positions 0..L-1 and a zero state) applied in between.
 
 Parametrized over families (dense: Gated DeltaNet, KDA; scalar: lightning, Mamba2; diagonal:
-Mamba1, Zamba's multi-head Mamba1; RoPE'd lightning, MiniMax layout and Ring-linear's), shapes (heads, key / value dims,
+Mamba1, Zamba's multi-head Mamba1, RecurrentGemma's RG-LRU; RoPE'd lightning, MiniMax layout and Ring-linear's), shapes (heads, key / value dims,
 value heads per key head), seams and segment lengths down to 1 (shorter than the conv window,
 and chains of such segments); LFM2's short conv (no state) has its own window-chain test.
 
@@ -114,15 +114,33 @@ def _mamba1_heads(h, r, dk, dv):
     return cfg, layer
 
 
+def _rglru(h, r, dk, dv):
+    """RecurrentGemma's RG-LRU: h gate blocks of dk channels (lru_width h * dk); every channel a head, K = V = 1."""
+    from hypic.layers.rglru import RGLRUMixer
+
+    cfg = ModelConfig.from_dict(dict(preset_config("tiny-recurrent-gemma"), num_attention_heads=h, lru_width=h * dk))
+    layer = RGLRUMixer(cfg, 0, OPS)
+    with torch.no_grad():
+        g = layer.rg_lru
+        g.recurrent_param.uniform_(-6.0, -3.0)                 # slow decays: T far from 0
+        for w in (g.input_gate_weight, g.recurrent_gate_weight):
+            w.normal_(0.0, 0.3)
+        for b in (g.input_gate_bias, g.recurrent_gate_bias, layer.conv_1d.bias):
+            b.normal_(0.0, 0.1)
+        layer.conv_1d.weight.normal_(0.0, 0.5)
+    return cfg, layer
+
+
 FAMILIES = {"gdn": _gdn, "kda": _kda, "lightning": _lightning, "mamba2": _mamba2, "mamba1": _mamba1,
-            "mamba1_heads": _mamba1_heads, "lightning_rope": lambda *a: _lightning(*a, rope=True), "ring_linear": _ring}
+            "mamba1_heads": _mamba1_heads, "lightning_rope": lambda *a: _lightning(*a, rope=True), "ring_linear": _ring,
+            "rglru": _rglru}
 SHAPES = [(1, 1, 8, 8), (2, 2, 16, 8), (2, 1, 4, 12)]       # (key heads, value heads per key head, K, V)
 
 
 def _layer(family, shape, seed=0):
     torch.manual_seed(seed)
     h, r, dk, dv = shape
-    if family in ("kda", "lightning", "lightning_rope", "ring_linear"):
+    if family in ("kda", "lightning", "lightning_rope", "ring_linear", "rglru"):
         r, dv = 1, dk                                          # one head count, K == V in these families
     cfg, layer = FAMILIES[family](h, r, dk, dv)
     with torch.no_grad():

@@ -450,3 +450,26 @@ def test_qwen2_sliding_window_layers_match_transformers(tmp_path, window):
     assert [l.self_attn.window for l in layers] == [0, 0, window, window]
     _check_full(model, llm)
     _pic_checks(llm)
+
+
+# -- RecurrentGemma ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["mha-bias", "pattern-full-rope", "wide-window"])
+def test_recurrent_gemma_variants_match_transformers(tmp_path, variant):
+    """The preset: MQA, no q/k/v bias, lru_width != hidden, pattern (r, r, a), window 12, RoPE on half of each head.
+    Here: MHA with q/k/v biases; the pattern (r, a) with lru_width == hidden and RoPE on the whole head; a window
+    longer than every test prompt (attention as good as full)."""
+    over = {"mha-bias": dict(num_key_value_heads=4, attention_bias=True),
+            "pattern-full-rope": dict(block_types=["recurrent", "attention"], lru_width=48,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                                       "partial_rotary_factor": 1.0}),
+            "wide-window": dict(attention_window_size=4096)}[variant]
+    model = hf_model("recurrent_gemma", seed=4, **over)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    layers = llm.engine.model.model.layers
+    kinds = ["attn" if hasattr(l.temporal_block, "q_proj") else "rec" for l in layers]
+    pattern = ["rec", "attn"] if variant == "pattern-full-rope" else ["rec", "rec", "attn"]
+    assert kinds == (pattern * 3)[:6]
+    attn = layers[kinds.index("attn")].temporal_block
+    assert attn.window == model.config.attention_window_size
+    _check_full(model, llm)
+    _pic_checks(llm)

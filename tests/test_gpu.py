@@ -46,6 +46,27 @@ def _gdn_inputs(lens, seed: int, h=2, hv=4, dk=64, dv=32):
 
 @cuda
 @pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
+def test_fla_hgrn_diagonal_scan_matches_reference():
+    """The RG-LRU's elementwise scan through fla's fused recurrent HGRN kernel (varlen, initial states, fp32 in and
+    out) against the reference token loop: the same fp32 products in the same order, so equal to rounding."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = [1, 9, 70, 200]
+    n = sum(lens)
+    x = torch.randn(1, n, 384, device="cuda", generator=g)
+    gs = torch.empty(1, n, 384, device="cuda").uniform_(0.5, 0.999, generator=g).log()
+    h0 = torch.randn(len(lens), 384, device="cuda", generator=g)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o0, s0 = ref.recurrent_diagonal_scan(x, gs, **kw)
+    for fn in (fast.chunk_diagonal_scan, fast.recurrent_diagonal_scan):
+        o1, s1 = fn(x, gs, **kw)
+        assert "hgrn" not in fast.FAILED
+        assert o1.dtype == s1.dtype == torch.float32
+        assert rel(o1, o0) < 1e-5 and rel(s1, s0) < 1e-5
+
+
+@cuda
+@pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
 def test_fla_gated_delta_rule_matches_reference():
     q, k, v, gate, beta, init, cu = _gdn_inputs([1, 9, 70, 200], seed=0)
     kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
@@ -440,14 +461,15 @@ def test_fused_norms_and_gate_match_reference():
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-granite-4.0-h", "tiny-olmo-hybrid", "tiny-falcon-h1",
                                     "tiny-bamba", "tiny-zamba2", "tiny-zamba", "tiny-lfm2-moe",
                                     "tiny-nemotron-3", "tiny-kimi-linear", "tiny-lara-mini",
-                                    "tiny-lfm3"])
+                                    "tiny-lfm3", "tiny-recurrent-gemma"])
 def test_engine_bf16_cuda_matches_cpu_reference(preset):
     """The same weights in fp32 on the CPU (reference ops) and bf16 on CUDA (fast ops); the bound is
     twice the CPU reference's own error in bf16 on this model (gpu_check.py explains why). Granite 4.0-H,
     OLMo-Hybrid and Falcon-H1: their Mamba2 and GDN layers (beta in [0, 2]) through fla's kernels, and Falcon-H1's
     two stateful mixers per layer; Bamba, Zamba2 and Zamba (shared blocks reading the embeddings, Zamba's multi-head
     Mamba1), LFM2-MoE, Nemotron 3 (relu² experts by grouped GEMM), Kimi-Linear (its router and dt_bias kept fp32
-    in bf16), Lara-mini and LFM3 (sliding-window attention through the masked blocks) added after the last GPU run
+    in bf16), Lara-mini and LFM3 (sliding-window attention through the masked blocks), RecurrentGemma (the RG-LRU
+    through fla's HGRN kernel) added after the last GPU run
     (not yet run there)."""
     from hypic import LLM, Prompt
 

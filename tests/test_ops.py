@@ -264,6 +264,48 @@ def test_varlen_equals_separate_sequences_every_family(family):
         torch.testing.assert_close(s[i : i + 1], si, atol=2e-5, rtol=1e-5)
 
 
+# -- the elementwise scan (RG-LRU) ---------------------------------------------------------------------------------
+from hypic.ops.reference import chunk_diagonal_scan, recurrent_diagonal_scan  # noqa: E402
+
+
+@pytest.mark.parametrize("t", [1, 5, 16, 33, 70])
+@pytest.mark.parametrize("decay", [0.05, 3.0, 60.0])
+def test_diagonal_scan_chunk_matches_recurrent_and_a_plain_loop(t, decay):
+    """h_t = exp(g_t) h_{t-1} + x_t per channel: the chunked form equals the token loop, and both equal the recurrence
+    written out here in fp64; strong decays (60 per token: exp(-G) alone would overflow in a 16-token chunk) stay
+    finite."""
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(2, t, 24, generator=g)
+    gs = -torch.rand(2, t, 24, generator=g) * decay
+    h0 = torch.randn(2, 24, generator=g)
+    o1, s1 = chunk_diagonal_scan(x, gs, initial_state=h0, output_final_state=True)
+    o2, s2 = recurrent_diagonal_scan(x, gs, initial_state=h0, output_final_state=True)
+    h, ref = h0.double(), torch.empty(2, t, 24, dtype=torch.float64)
+    for i in range(t):
+        h = gs[:, i].double().exp() * h + x[:, i].double()
+        ref[:, i] = h
+    for o, s in ((o1, s1), (o2, s2)):
+        assert torch.isfinite(o).all()
+        torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(s.double(), h, atol=2e-5, rtol=1e-5)
+
+
+def test_diagonal_scan_varlen_equals_separate_sequences():
+    lens = [3, 40, 1, 17]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, sum(lens), 16, generator=g)
+    gs = -torch.rand(1, sum(lens), 16, generator=g) * 0.3
+    h0 = torch.randn(len(lens), 16, generator=g)
+    for fn in (chunk_diagonal_scan, recurrent_diagonal_scan):
+        o, s = fn(x, gs, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        for i in range(len(lens)):
+            sl = slice(int(cu[i]), int(cu[i + 1]))
+            oi, si = recurrent_diagonal_scan(x[:, sl], gs[:, sl], initial_state=h0[i : i + 1], output_final_state=True)
+            torch.testing.assert_close(o[:, sl], oi, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(s[i : i + 1], si, atol=2e-5, rtol=1e-5)
+
+
 def test_joined_weights_equal_separate_projections_and_pad_rows():
     """layers/joined.py: one GEMM over [w_1; w_2; w_3; 0] gives each projection (fp64: the same dot products, so
     equal to rounding), the joined matrix padded to a multiple of ROWS_MULTIPLE rows (the shared expert's 2I + 1

@@ -18,7 +18,7 @@ from ..runtime.batch import ForwardBatch
 class Backbone(nn.Module):
     """What every family's base model holds, in this order: `embed_tokens`, the one `rotary` table its attention
     layers share (rotary_dim 0: NoPE, none), `layers` (layer(cfg, i, ops, rotary) for each index), and the final
-    norm under the checkpoint's name (`norm`, `final_layernorm`, `embedding_norm`; ScaledRMSNorm unless `norm`
+    norm under the checkpoint's name (`norm`, `final_layernorm`, `embedding_norm`, `final_norm`; ScaledRMSNorm unless `norm`
     makes another). The order is the parameters' order, in which dummy weights are drawn."""
 
     def __init__(self, cfg: ModelConfig, ops, layer: Callable, rotary_dim: int = 0, rope: tuple = (),
@@ -30,7 +30,8 @@ class Backbone(nn.Module):
         self.norm_name = norm_name
         self.add_module(norm_name, norm() if norm is not None else ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+    def norm_out(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm, whatever its name."""
         return getattr(self, self.norm_name)(h)
 
 
@@ -87,7 +88,7 @@ class CausalLM(nn.Module):
 
     def head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The final norm and the LM head on the rows that return logits."""
-        h = self.model.final_norm(h[batch.logits_index])
+        h = self.model.norm_out(h[batch.logits_index])
         return self.lm_head(h).float()
 
     def dummy_init(self, name: str, p: torch.Tensor, generator: torch.Generator) -> bool:

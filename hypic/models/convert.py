@@ -233,6 +233,11 @@ def lfm3(tensors: dict, cfg: ModelConfig) -> dict:
     return _common(_rename(tensors, [(r"\.self_attn\.gate_proj\.", ".self_attn.g_proj.")]), cfg)
 
 
+def recurrent_gemma(tensors: dict, cfg: ModelConfig) -> dict:
+    """The released layout is transformers' (the LM head tied to the embeddings, not stored)."""
+    return _common(tensors, cfg)
+
+
 def lara_mini(tensors: dict, cfg: ModelConfig) -> dict:
     """The released layout (transformers writes it back so): a GDN layer's input projections fused into one `in_proj`,
     rows [q | k | v | z | b | a], split here; its gated norm named `out_norm`."""

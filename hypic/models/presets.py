@@ -210,6 +210,17 @@ PRESETS: dict[str, dict] = {
         hidden_mamba_act="silu", max_position_embeddings=65536, rms_norm_eps=1e-5, tie_word_embeddings=True,
         eos_token_id=256, bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # RecurrentGemma: RG-LRU blocks (lru_width 96 != hidden) and MQA sliding-window attention (window 12) in the (r, r, a)
+    # pattern; hidden 48 (sqrt(48) is not a bf16 number, so the bf16 embedding scale shows); a small soft cap so that
+    # the cap shows on random weights.
+    "tiny-recurrent-gemma": dict(
+        model_type="recurrent_gemma", vocab_size=320, hidden_size=48, num_hidden_layers=6, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=1, lru_width=96, attention_window_size=12, conv1d_width=4,
+        block_types=["recurrent", "recurrent", "attention"], logits_soft_cap=2.0, hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=256,
+        bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # Plain transformers (no linear layer): SmolLM2's layout (tied, no biases) and Qwen2's (q/k/v biases).
     "tiny-llama": dict(
         model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -29,6 +29,8 @@ _MODELS = {
     "lara_mini": ("hypic.models.lara_mini", "LaraMiniForCausalLM", "hypic.models.convert", "lara_mini"),
     "zamba2": ("hypic.models.zamba", "ZambaForCausalLM", "hypic.models.convert", "zamba"),
     "zamba": ("hypic.models.zamba", "ZambaForCausalLM", "hypic.models.convert", "zamba"),
+    "recurrent_gemma": ("hypic.models.recurrent_gemma", "RecurrentGemmaForCausalLM", "hypic.models.convert",
+                        "recurrent_gemma"),
     "llama": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
     "qwen2": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
 }

@@ -42,6 +42,8 @@ class Backend:
     rms_norm: Callable
     rms_norm_gated: Callable
     gdn_gate: Callable
+    chunk_diagonal_scan: Callable
+    recurrent_diagonal_scan: Callable
 
 
 _REGISTRY = {"reference": "hypic.ops.reference", "fast": "hypic.ops.fast"}
@@ -60,6 +62,6 @@ def get_backend(name: str) -> Backend:
             m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d, m.causal_conv1d_varlen,
             m.position_attention, m.decode_attention, m.order_keys, m.route, m.route_grouped_sigmoid, m.experts_forward,
             m.experts_forward_plain, m.recurrent_gated_delta_summary, m.chunk_gated_delta_transition, m.chunk_gated_delta_isolated,
-            m.rms_norm, m.rms_norm_gated, m.gdn_gate,
+            m.rms_norm, m.rms_norm_gated, m.gdn_gate, m.chunk_diagonal_scan, m.recurrent_diagonal_scan,
         )
     return _LOADED[name]

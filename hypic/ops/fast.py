@@ -14,6 +14,7 @@
                        (torch._grouped_mm); the routing (softmax, top k, renormalisation) and, for few
                        rows, the sort by expert in one Triton kernel each (ops/triton_route.py)
     norms, GDN gate    fla-core's fused kernels (one launch each, fp32 inside, one rounding)
+    diagonal scan      (RG-LRU) fla-core's fused recurrent HGRN kernel on CUDA
 KDA, GLA and simple GLA stay on the reference ops here (their fla kernels are not wired yet).
 
 Every function here has a test against its reference twin (tests/test_fast_ops.py on CPU,
@@ -321,6 +322,50 @@ def _gated_delta(which: int, q, k, v, g, beta, scale, initial_state, output_fina
                            output_final_state=output_final_state, cu_seqlens=cu,
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **extra)
     return o.to(v.dtype), final
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_hgrn():
+    """fla-core's fused recurrent HGRN kernel (h_t = exp(g_t) h_{t-1} + x_t per channel, varlen), or None."""
+    try:
+        from fla.ops.hgrn import fused_recurrent_hgrn
+    except Exception:
+        return None
+    return fused_recurrent_hgrn
+
+
+def _diagonal_scan(chunked: bool, x, g, initial_state, output_final_state, cu_seqlens):
+    """fla's fused recurrent HGRN kernel on CUDA (one program per sequence and channel block, the tokens in
+    order; fp32 in and out, so the state stays fp32), else the reference twin (the chunked one for prefill)."""
+    kern = _fla_hgrn() if x.is_cuda and not needs_grad(x, g, initial_state) and "hgrn" not in FAILED else None
+    if kern is not None:
+        cu = None if cu_seqlens is None else _cu_only(cu_seqlens, x.device)
+        init = None if initial_state is None else initial_state.float().contiguous()
+        try:
+            o, final = kern(x.float().contiguous(), g.float().contiguous(), initial_state=init,
+                            output_final_state=output_final_state, cu_seqlens=cu)
+        except Exception as e:
+            kernel_failed("hgrn", e)
+        else:
+            return o.to(x.dtype), final
+    fn = ref.chunk_diagonal_scan if chunked else ref.recurrent_diagonal_scan
+    return fn(x, g, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def _cu_only(cu_seqlens, device):
+    """cu_seqlens on the device (as given where it is there already; else one copy per layout, reused)."""
+    if cu_seqlens.device == device:
+        return cu_seqlens
+    cpu = cu_seqlens.cpu()
+    return _layout(("cu_only", tuple(cpu.tolist()), str(device)), lambda: cpu.to(device))
+
+
+def chunk_diagonal_scan(x, g, *, initial_state=None, output_final_state=False, cu_seqlens=None):
+    return _diagonal_scan(True, x, g, initial_state, output_final_state, cu_seqlens)
+
+
+def recurrent_diagonal_scan(x, g, *, initial_state=None, output_final_state=False, cu_seqlens=None):
+    return _diagonal_scan(False, x, g, initial_state, output_final_state, cu_seqlens)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
