@@ -965,7 +965,8 @@ def _parse_recurrent_gemma(hf):
         attention_bias=bool(hf.attention_bias), attention_window_size=int(hf.attention_window_size),
         lru_width=int(hf.lru_width), conv1d_width=int(hf.conv1d_width), intermediate_size=int(hf.intermediate_size),
         hidden_activation=hf.hidden_activation, logits_soft_cap=float(hf.logits_soft_cap or 0.0))
-    types = {"linear_attention": LINEAR, "sliding_attention": FULL}
+    # transformers 5.24 names the layers linear_attention / sliding_attention, 5.17 recurrent / attention
+    types = {"linear_attention": LINEAR, "recurrent": LINEAR, "sliding_attention": FULL, "attention": FULL}
     return tuple(types.get(t, t) for t in hf.layers_block_type), params
 
 
