@@ -971,6 +971,68 @@ def _parse_recurrent_gemma(hf):
 
 
 @dataclass(frozen=True)
+class Qwen4ExpParams:
+    """Qwen4-Exp (text): Qwen3.5's Gated DeltaNet (output gate activation configurable) and gated attention layers
+    whose keys an indexer selects (QSA: per query, the top `indexer_budget / indexer_compress_ratio` blocks of
+    `indexer_compress_ratio` consecutive tokens by a pooled-key score, plus the incomplete last block); hc_count
+    residual streams mixed per token (hyper-connections) around every block; a softmax top-k MoE with a gated shared
+    expert after every layer."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_parameters: tuple
+    attention_bias: bool
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    linear_output_gate: str            # the GDN output norm's gate activation: silu or sigmoid
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    hc_count: int
+    hc_lowrank: int
+    indexer_n_heads: int
+    indexer_head_dim: int
+    indexer_budget: int
+    indexer_compress_ratio: int
+
+
+def _parse_qwen4_exp(hf):
+    g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
+    if g("ple_layer_ids"):
+        raise UnsupportedArchitectureError(
+            "qwen4_exp with per-layer n-gram embeddings (ple_layer_ids) is not supported: they hash the previous "
+            "tokens across segment boundaries")
+    fields = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+    missing = [f for f in fields if not g(f)]
+    if missing:
+        raise ConfigError(f"qwen4_exp: the indexer needs {missing}")
+    if hf.indexer_kv_heads != 1:
+        raise ConfigError(f"qwen4_exp: indexer_kv_heads must be 1, not {hf.indexer_kv_heads}")
+    rope = dict(_rope(hf))
+    head_dim = hf.head_dim
+    params = Qwen4ExpParams(
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads, head_dim=head_dim,
+        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)), rope_parameters=_rope(hf),
+        attention_bias=bool(hf.attention_bias), linear_num_key_heads=hf.linear_num_key_heads,
+        linear_num_value_heads=hf.linear_num_value_heads, linear_key_head_dim=hf.linear_key_head_dim,
+        linear_value_head_dim=hf.linear_value_head_dim, linear_conv_kernel_dim=hf.linear_conv_kernel_dim,
+        linear_output_gate=g("output_gate_type") or hf.hidden_act, num_experts=hf.num_experts,
+        num_experts_per_tok=hf.num_experts_per_tok, moe_intermediate_size=hf.moe_intermediate_size,
+        shared_expert_intermediate_size=hf.shared_expert_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
+        hc_count=hf.hc_count, hc_lowrank=hf.hc_lowrank, indexer_n_heads=hf.indexer_n_heads,
+        indexer_head_dim=hf.indexer_head_dim, indexer_budget=hf.indexer_budget,
+        indexer_compress_ratio=hf.indexer_compress_ratio)
+    return tuple(FULL if t == "indexed_attention" else t for t in hf.layer_types), params
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str          # hypic architecture: selects the model module (models/registry.py)
     hf_type: str | None  # transformers model_type whose config class parses the dict (None: remote code)
@@ -1002,11 +1064,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "lara_mini": ArchSpec("lara_mini", "lara_mini", _parse_lara_mini),
     "lfm3": ArchSpec("lfm3", "lfm3", _parse_lfm3),
     "recurrent_gemma": ArchSpec("recurrent_gemma", "recurrent_gemma", _parse_recurrent_gemma),
+    "qwen4_exp": ArchSpec("qwen4_exp", "qwen4_exp_text", _parse_qwen4_exp),
+    "qwen4_exp_text": ArchSpec("qwen4_exp", "qwen4_exp_text", _parse_qwen4_exp),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),
 }
-_TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",

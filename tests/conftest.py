@@ -47,6 +47,7 @@ ARCHS = {
     "lara_mini": ("tiny-lara-mini", "LaraMiniForCausalLM"),
     "lfm3": ("tiny-lfm3", "Lfm3ForCausalLM"),
     "recurrent_gemma": ("tiny-recurrent-gemma", "RecurrentGemmaForCausalLM"),
+    "qwen4_exp": ("tiny-qwen4-exp", "Qwen4ExpForCausalLM"),
     "llama": ("tiny-llama", "LlamaForCausalLM"),
     "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }

@@ -473,3 +473,59 @@ def test_recurrent_gemma_variants_match_transformers(tmp_path, variant):
     assert attn.window == model.config.attention_window_size
     _check_full(model, llm)
     _pic_checks(llm)
+
+
+# -- Qwen4-Exp ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["sigmoid-gate-two-streams", "blocks8-full-rope"])
+def test_qwen4_exp_variants_match_transformers(tmp_path, variant):
+    """The preset: silu GDN output gate, three residual streams, blocks of 4 (top 4), RoPE on half of each head. Here:
+    a sigmoid output gate with two streams; blocks of 8 (top 3) with RoPE on the whole head (indexer head dim 16)."""
+    over = {"sigmoid-gate-two-streams": dict(output_gate_type="sigmoid", hc_count=2),
+            "blocks8-full-rope": dict(indexer_compress_ratio=8, indexer_budget=24, indexer_head_dim=16,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 1.0})}[variant]
+    model = hf_model("qwen4_exp", seed=4, **over)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    _check_full(model, llm)
+    _pic_checks(llm)
+
+
+def test_qwen4_exp_selection_is_sparse_and_follows_positions():
+    """The indexer's selection on the engine's own keys: past `top` complete blocks a query reads `top` blocks of
+    `block` keys plus its incomplete block (not every causal key); before that, every key (None). The same raw keys
+    in another slot order select the same positions (the buffer of a request with placed segments is not in
+    position order)."""
+    from hypic.layers.indexed import IndexerKeys
+    from hypic.config import ModelConfig
+    from hypic.layers.rope import Rotary
+    from hypic.models.presets import preset_config
+
+    cfg = ModelConfig.from_dict(preset_config("tiny-qwen4-exp"))
+    p = cfg.params
+    rot = Rotary(cfg, p.rotary_dim, dict(p.rope_parameters))
+    ix = IndexerKeys(cfg, 99, None, rot)
+    g = torch.Generator().manual_seed(0)
+    n = 50
+    keys = torch.randn(n, 1, p.indexer_head_dim, generator=g)
+    q = torch.randn(3, p.indexer_n_heads, p.indexer_head_dim, generator=g)
+    pos = torch.arange(n)
+    assert ix.select(q, torch.tensor([3, 10, 15]), keys, pos, pos) is None          # at most 4 complete blocks
+    q_pos = torch.tensor([20, 33, 49])
+    allowed = ix.select(q, q_pos, keys, pos, pos) & (pos[None, :] <= q_pos[:, None])
+    blocks = (q_pos + 1) // ix.block
+    for i in range(3):
+        tail = int(q_pos[i]) + 1 - int(blocks[i]) * ix.block
+        assert int(allowed[i].sum()) == ix.top * ix.block + tail
+        assert allowed[i, int(blocks[i]) * ix.block : int(q_pos[i]) + 1].all()
+    perm = torch.randperm(n, generator=g)
+    again = ix.select(q, q_pos, keys[perm], pos[perm], pos[perm]) & (pos[perm][None, :] <= q_pos[:, None])
+    assert torch.equal(again, allowed[:, perm])
+
+
+def test_qwen4_exp_with_ple_is_refused():
+    from hypic.config import ModelConfig
+    from hypic.errors import UnsupportedArchitectureError
+    from hypic.models.presets import preset_config
+
+    with pytest.raises(UnsupportedArchitectureError, match="ple_layer_ids"):
+        ModelConfig.from_dict(dict(preset_config("tiny-qwen4-exp"), ple_layer_ids=[1], eos_token_id=256))

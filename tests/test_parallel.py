@@ -107,7 +107,7 @@ def test_parallel_config_is_validated():
 
 # -- the wire format ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-kimi-linear", "tiny-minimax", "tiny-nemotron-h",
-                                    "tiny-lfm2", "tiny-jamba"])
+                                    "tiny-lfm2", "tiny-jamba", "tiny-qwen4-exp", "tiny-recurrent-gemma"])
 def test_entry_survives_pack_and_unpack(preset):
     """Every part kind (dense / scalar / diagonal T, conv tails, empty states, K/V) in one flat buffer and back,
     bit for bit, each tensor owning its storage (not a view that pins the whole buffer)."""
@@ -182,11 +182,12 @@ def test_batched_requests_share_one_placement(reference):
             _same(o, r)
 
 
-@pytest.mark.parametrize("arch", ["kimi_linear", "nemotron_h", "minimax", "zamba2"])
+@pytest.mark.parametrize("arch", ["kimi_linear", "nemotron_h", "minimax", "zamba2", "qwen4_exp"])
 def test_parallel_on_other_families(hf_checkpoints, arch):
     """Checkpoint directories of other families (KDA + MLA, Mamba2 with conv tails, lightning; Zamba2: two stateful
-    mixers in a hybrid layer, a shared block reading the embeddings): the workers load the same files and their
-    entries compose to the one-rank result."""
+    mixers in a hybrid layer, a shared block reading the embeddings; Qwen4-Exp: indexer keys with no values beside
+    each indexed attention layer's): the workers load the same files and their entries compose to the one-rank
+    result."""
     path = str(hf_checkpoints[arch][1])
     ref = LLM(path)
     p = _prompt(5, lengths=(30, 50, 20))

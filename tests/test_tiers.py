@@ -99,6 +99,22 @@ def test_disk_tier_persists_across_engines(plain, tmp_path):
     assert not list(tmp_path.glob("*.safetensors"))
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen4-exp", "tiny-recurrent-gemma", "tiny-zamba2"])
+def test_disk_tier_round_trip_of_every_entry_layout(preset, tmp_path):
+    """Entries with parts beyond one mixer per layer go through their byte form unchanged: Qwen4-Exp's indexer keys
+    (a second attention part per indexed layer, with no values), RecurrentGemma's [D, 1, 1] states, Zamba2's block
+    attention beside its Mamba2 part. A second engine on the directory serves the request from disk, bit for bit."""
+    p = _prompt(4, n=3)
+    a = LLM(preset, disk_cache_dir=str(tmp_path))
+    want = a.generate([p], SP)[0]
+    a.engine.segments.flush()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
+    b = LLM(preset, disk_cache_dir=str(tmp_path))
+    got = b.generate([p], SP)[0]
+    assert got.cold_prefill_tokens == 0 and b.cache_stats()["segments_disk"]["hits"] == 3
+    _equal(got, want)
+
+
 def test_a_damaged_file_is_never_served(plain, tmp_path):
     """One file's bytes flipped, another truncated, a third replaced by garbage: each is a miss (prefilled again,
     counted as corrupt, deleted); the output is unchanged."""

@@ -194,11 +194,26 @@ class AttentionMixer(nn.Module):
             return self._forward_static(x, batch)
         if batch.captured is not None:
             return self._forward_captured(x, batch)
-        L, n = self.layer_idx, x.shape[0]
+        n = x.shape[0]
         q, k_raw, v, extra = self.project(x, batch)
         q = self.place_queries(q, batch.positions, batch)
         k = self.place_keys(k_raw, batch.positions, batch)
         out = None
+        for seq, kk, vv, pp, ordered in self.store(x, batch, k_raw, k, v):
+            sl = slice(seq.start, seq.end)
+            o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=ordered)
+            if out is None:
+                out = o.new_empty((n,) + tuple(o.shape[1:]))
+            out[sl] = o
+        if out is None:                                   # no active tokens
+            return self.no_tokens(x)
+        return self.output(x, out, extra)
+
+    def store(self, x, batch: ForwardBatch, k_raw, k, v):
+        """Every sequence's keys into its buffer (its cached segments placed, then its active tokens), the captures
+        of its runs (position-free keys of summarized runs, keys as attended at marks); yields (seq, keys, values,
+        positions, ordered) of each sequence with active tokens, its buffer's view after the append."""
+        L = self.layer_idx
         for seq in batch.seqs:
             buf = seq.state.layers.get(L)
             if buf is None:
@@ -228,24 +243,19 @@ class AttentionMixer(nn.Module):
                     piece.captures[L] = KVSpan(k[r].clone(), v[r].clone(), batch.positions[r].clone())
             if seq.end == seq.start:
                 continue
-            kk, vv, pp = buf.view()
-            o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=ordered)
-            if out is None:
-                out = o.new_empty((n,) + tuple(o.shape[1:]))
-            out[sl] = o
-        if out is None:                                   # no active tokens
-            return self.no_tokens(x)
-        return self.output(x, out, extra)
+            yield (seq, *buf.view(), ordered)
 
     def no_tokens(self, x):
         """The output of a forward with no active token (zeros of the layer's output width)."""
         return torch.zeros_like(x)
 
-    def attend(self, q, k, v, q_pos, k_pos, contiguous: bool = False):
+    def attend(self, q, k, v, q_pos, k_pos, contiguous: bool = False, allowed=None):
         """contiguous: k, v are in position order at consecutive positions and end with q's own tokens (a
-        fresh sequence, or one continuing a cached prefix; no placed segments)."""
-        if self.window:
-            return self.ops.position_attention(q, k, v, q_pos, k_pos, scale=self.scale, window=self.window)
+        fresh sequence, or one continuing a cached prefix; no placed segments). allowed [Nq, Nk] bool: the keys each
+        query may see besides causality (a sparse selection), or None."""
+        if self.window or allowed is not None:
+            return self.ops.position_attention(q, k, v, q_pos, k_pos, scale=self.scale, window=self.window,
+                                               allowed=allowed)
         return self.ops.position_attention(q, k, v, q_pos, k_pos, scale=self.scale, contiguous=contiguous)
 
 

@@ -53,7 +53,7 @@ class GatedDeltaNet(LinearMixer):
         self.in_proj_a = nn.Linear(hs, self.hv, bias=False)
         self._ab = JoinedWeights()
         self.recurrence_params()
-        self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, ops)
+        self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, ops, getattr(cfg.params, "linear_output_gate", "silu"))
         self.out_proj = nn.Linear(self.value_dim, hs, bias=False)
 
     def capturable(self, device) -> bool:

@@ -57,21 +57,26 @@ class RMSNorm(nn.Module):
 
 
 class RMSNormGated(nn.Module):
-    """w * x / rms(x), then * silu(gate) (norm before gate). The reference rounds x / rms(x) and its
-    product with w to x's dtype before the gate (transformers' Qwen3.5 convention)."""
+    """w * x / rms(x), then * act(gate) (norm before gate; act silu, or sigmoid where Qwen4-Exp's config says so). The
+    reference rounds x / rms(x) and its product with w to x's dtype before the gate (transformers' Qwen3.5
+    convention)."""
 
-    def __init__(self, dim: int, eps: float, ops=None):
+    def __init__(self, dim: int, eps: float, ops=None, activation: str = "silu"):
         super().__init__()
+        if activation not in ("silu", "sigmoid"):
+            raise ValueError(f"gated norm activation {activation!r}: silu or sigmoid")
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.ops = ops
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if _fused(self.ops, x):
-            return self.ops.rms_norm_gated(x, gate, self.weight, self.eps, "silu")
+            return self.ops.rms_norm_gated(x, gate, self.weight, self.eps, self.activation)
         dtype = x.dtype
         y = self.weight * _normed(x, self.eps).to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        act = F.silu if self.activation == "silu" else torch.sigmoid
+        return (y * act(gate.float())).to(dtype)
 
 
 class ScaledRMSNorm(nn.Module):

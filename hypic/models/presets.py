@@ -221,6 +221,13 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=256,
         bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # Qwen4-Exp: GDN and QSA-indexed gated attention (every third layer), three residual streams, MoE after every
+    # layer. The indexer reads the top 4 blocks of 4 tokens (budget 16): test prompts are sparse past 20 tokens; 16
+    # indexer heads, so a block scoring exactly 0 (relu of every head's score) is rare (ties would order by chance).
+    "tiny-qwen4-exp": _tiny("qwen4_exp_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32, hc_count=3, hc_lowrank=16, indexer_n_heads=16,
+                            indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4,
+                            layer_types=["linear_attention", "linear_attention", "indexed_attention"] * 2),
     # Plain transformers (no linear layer): SmolLM2's layout (tied, no biases) and Qwen2's (q/k/v biases).
     "tiny-llama": dict(
         model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

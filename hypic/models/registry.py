@@ -31,6 +31,7 @@ _MODELS = {
     "zamba": ("hypic.models.zamba", "ZambaForCausalLM", "hypic.models.convert", "zamba"),
     "recurrent_gemma": ("hypic.models.recurrent_gemma", "RecurrentGemmaForCausalLM", "hypic.models.convert",
                         "recurrent_gemma"),
+    "qwen4_exp": ("hypic.models.qwen4_exp", "Qwen4ExpForCausalLM", "hypic.models.convert", "qwen3_5"),
     "llama": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
     "qwen2": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
 }

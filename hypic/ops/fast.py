@@ -615,7 +615,7 @@ _CPU_EXPLICIT_QUERIES = 32
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False,
-                       window: int = 0):
+                       window: int = 0, allowed=None):
     """SDPA behind the reference signature. contiguous: the keys are in position order, at consecutive
     positions, and end with the queries' own tokens (a fresh sequence: keys == queries; or a request
     continuing a cached prefix): causal attention aligned at the bottom right, which flash serves
@@ -626,6 +626,14 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
     rep = h // hkv
+    if allowed is not None:                     # a sparse selection: SDPA with its mask (and the window's)
+        mask = (k_pos[None, :] <= q_pos[:, None]) & allowed
+        if window:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype),
+                                           v.transpose(0, 1)[None].to(q.dtype), attn_mask=mask[None, None],
+                                           scale=scale, enable_gqa=rep > 1)
+        return o[0].transpose(0, 1)
     if window:                                  # sliding window: the masked blocks, the window in their mask
         return _masked_blocks(q, k, v, q_pos, k_pos, scale, window)
     few = h * nq * nk * 4 <= _SCORES_BYTES

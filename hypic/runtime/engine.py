@@ -70,9 +70,9 @@ class Engine:
         self._invalidated = 0
         tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(tok.eos_token_ids if tok else ())
-        # sliding-window attention runs on the planned paths only (the fixed-buffer decode and compose attention take
-        # no window): dynamic decode, eager compose
-        windowed = any(getattr(m, "window", 0) for m in self.model.mixers.values())
+        # sliding-window and indexed (sparse) attention run on the planned paths only (the fixed-buffer decode and
+        # compose attention take no window or selection): dynamic decode, eager compose
+        windowed = any(getattr(m, "window", 0) or getattr(m, "planned_only", False) for m in self.model.mixers.values())
         mode = "dynamic" if windowed else config.decode_mode
         self.decoder = None if mode == "dynamic" else StaticDecoder(
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=mode == "graph")

@@ -16,10 +16,11 @@ import torch
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool = False, sorted_keys: bool = False,
-                       window: int = 0):
+                       window: int = 0, allowed=None):
     """contiguous, sorted_keys (hints the fast backend uses; the mask here is the same either way): the keys
     are exactly the queries' tokens, in position order; k_pos is non-decreasing. window > 0: sliding-window
-    attention, a key visible only to queries fewer than `window` positions after it."""
+    attention, a key visible only to queries fewer than `window` positions after it. allowed [Nq, Nk] bool: a
+    selection of keys per query on top of causality (indexed sparse attention); every query must keep one key."""
     h, hkv = q.shape[1], k.shape[1]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
@@ -30,6 +31,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     mask = k_pos[None, :] <= q_pos[:, None]                              # [Nq, Nk]
     if window:
         mask &= k_pos[None, :] > q_pos[:, None] - window
+    if allowed is not None:
+        mask &= allowed
     scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.einsum("hqk,khd->qhd", probs, v)
