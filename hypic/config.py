@@ -1073,6 +1073,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
+    "glm5_next": "KDA + MLA with a pooled-key sparse indexer and Sinkhorn-mixed residual streams: not implemented yet "
+                 "(docs/notes/indexed-attention.md)",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba2": "pure Mamba2, no attention layer: not a hybrid, not implemented",
