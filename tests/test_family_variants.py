@@ -520,6 +520,14 @@ def test_qwen4_exp_selection_is_sparse_and_follows_positions():
     perm = torch.randperm(n, generator=g)
     again = ix.select(q, q_pos, keys[perm], pos[perm], pos[perm]) & (pos[perm][None, :] <= q_pos[:, None])
     assert torch.equal(again, allowed[:, perm])
+    import hypic.layers.indexed as indexed
+
+    old, indexed.SCORE_BYTES = indexed.SCORE_BYTES, 1              # the scores one query at a time: the same choice
+    try:
+        sliced = ix.select(q, q_pos, keys, pos, pos) & (pos[None, :] <= q_pos[:, None])
+    finally:
+        indexed.SCORE_BYTES = old
+    assert torch.equal(sliced, allowed)
 
 
 def test_qwen4_exp_with_ple_is_refused():

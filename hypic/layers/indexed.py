@@ -26,6 +26,9 @@ from .attention import AttentionMixer, GatedAttention
 from .norm import RMSNorm
 
 
+SCORE_BYTES = 64 << 20         # the selection's per-head scores are made for this many bytes of queries at a time
+
+
 class IndexerKeys(AttentionMixer):
     """The QSA indexer of one layer: its parameters (transformers' names, under `self_attn.indexer`) and, as a stateful
     mixer, the request's raw indexer keys (one head, no values). Driven by its attention layer (`IndexedAttention`),
@@ -84,11 +87,16 @@ class IndexerKeys(AttentionMixer):
         starts = torch.arange(nb, device=keys.device) * self.block
         cos, sin = rot.cos_sin(starts, keys.dtype)
         pooled = rot.apply(self.k_layernorm(pooled)[:, None], cos, sin)[:, 0]
-        scores = torch.relu(torch.einsum("qhd,bd->qbh", q.float(), pooled.float())).sum(-1) / math.sqrt(self.key_dim)
         valid = torch.arange(nb, device=keys.device)[None, :] < nq_blocks[:, None]        # complete for that query
-        top = scores.masked_fill(~valid, float("-inf")).topk(min(self.top, nb), dim=-1).indices
         chosen = torch.zeros(q.shape[0], nb + 1, dtype=torch.bool, device=keys.device)
-        chosen[:, :nb] = torch.zeros_like(valid).scatter_(1, top, True) & valid
+        pf = pooled.float()
+        # queries in slices: the per-head scores are [queries, blocks, heads] fp32 before the relu and the sum
+        step = max(1, SCORE_BYTES // (4 * nb * self.heads))
+        for a in range(0, q.shape[0], step):
+            b = min(a + step, q.shape[0])
+            sc = torch.relu(torch.einsum("qhd,bd->qbh", q[a:b].float(), pf)).sum(-1) / math.sqrt(self.key_dim)
+            top = sc.masked_fill(~valid[a:b], float("-inf")).topk(min(self.top, nb), dim=-1).indices
+            chosen[a:b, :nb] = torch.zeros_like(valid[a:b]).scatter_(1, top, True) & valid[a:b]
         block_of = torch.div(attn_pos, self.block, rounding_mode="floor").clamp(max=nb)
         tail = attn_pos[None, :] >= (nq_blocks * self.block)[:, None]                   # the incomplete last block
         return chosen[:, block_of] | tail
