@@ -537,3 +537,22 @@ def test_qwen4_exp_with_ple_is_refused():
 
     with pytest.raises(UnsupportedArchitectureError, match="ple_layer_ids"):
         ModelConfig.from_dict(dict(preset_config("tiny-qwen4-exp"), ple_layer_ids=[1], eos_token_id=256))
+
+
+def test_qwen4_exp_attends_in_query_slices_alike():
+    """An indexed layer attends for a bounded number of [query, key] mask elements at a time: slices of a few queries
+    give the prefill's and the decode's logits of one slice (equal up to summation order)."""
+    import hypic.layers.indexed as indexed
+
+    llm = LLM("tiny-qwen4-exp", cache_mode="pic", seam=4)
+    p = Prompt(prefix=rand_ids(9, 1), segments=[rand_ids(n, 2 + n) for n in (30, 41)], query=rand_ids(5, 3))
+    sp = SamplingParams(max_tokens=4, return_logits=True, ignore_eos=True)
+    want = llm.generate([p], sp)[0]
+    old, indexed.MASK_ELEMENTS = indexed.MASK_ELEMENTS, 300        # about 3 queries of ~90 keys per slice
+    try:
+        llm.clear_cache()
+        got = llm.generate([p], sp)[0]
+    finally:
+        indexed.MASK_ELEMENTS = old
+    assert got.token_ids == want.token_ids
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)

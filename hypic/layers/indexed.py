@@ -27,6 +27,7 @@ from .norm import RMSNorm
 
 
 SCORE_BYTES = 64 << 20         # the selection's per-head scores are made for this many bytes of queries at a time
+MASK_ELEMENTS = 64 << 20       # an indexed layer attends for this many [query, key] mask elements at a time
 
 
 class IndexerKeys(AttentionMixer):
@@ -121,13 +122,17 @@ class IndexedAttention(GatedAttention):
         k = self.place_keys(k_raw, batch.positions, batch)
         out = None
         for seq, kk, vv, pp, ordered in self.store(x, batch, k_raw, k, v):
-            sl = slice(seq.start, seq.end)
             ik, ipos = views[id(seq)]
-            allowed = self.indexer.select(qi[sl], batch.positions[sl], ik, ipos, pp)
-            o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=ordered, allowed=allowed)
-            if out is None:
-                out = o.new_empty((x.shape[0],) + tuple(o.shape[1:]))
-            out[sl] = o
+            # queries in slices whose selection masks ([queries, keys], and SDPA's copy of it) stay bounded
+            step = max(1, MASK_ELEMENTS // max(1, pp.shape[0]))
+            for a in range(seq.start, seq.end, step):
+                sl = slice(a, min(a + step, seq.end))
+                allowed = self.indexer.select(qi[sl], batch.positions[sl], ik, ipos, pp)
+                o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=ordered and step >= seq.end - a,
+                                allowed=allowed)
+                if out is None:
+                    out = o.new_empty((x.shape[0],) + tuple(o.shape[1:]))
+                out[sl] = o
         if out is None:
             return self.no_tokens(x)
         return self.output(x, out, gate)
