@@ -1033,6 +1033,71 @@ def _parse_qwen4_exp(hf):
 
 
 @dataclass(frozen=True)
+class Glm5NextParams:
+    """GLM-5 Next (text): KDA layers (bounded low-rank forget gate) and, every fourth layer, MLA (NoPE, q through a
+    LoRA latent) reading the keys a DSA indexer selects (pools of `index_kpool` tokens, the top `index_topk` tokens'
+    worth per query, plus the incomplete last pool); `hc_mult` residual streams mixed per token by Sinkhorn-normalised
+    hyper-connections (mHC); dense clamped-SwiGLU MLPs on the first layers, a DeepSeek-V3 MoE (sigmoid grouped
+    routing with a correction bias, clamped SwiGLU experts, shared experts) after."""
+
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int              # 0 (validated by transformers): NoPE
+    v_head_dim: int
+    attention_bias: bool
+    linear_num_heads: int
+    linear_head_dim: int
+    linear_conv_kernel_dim: int
+    linear_lower_bound: float | None   # the forget gate's bound (lb * sigmoid(...)); None: -exp(A_log) softplus(...)
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    swiglu_limit: float | None
+    hc_mult: int
+    hc_eps: float
+    hc_sinkhorn_iters: int
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    index_kpool: int
+
+
+def _parse_glm5_next(hf):
+    shared = [i for i, t in enumerate(hf.indexer_types) if t != "full" and hf.layer_types[i] == "indexed_attention"]
+    if shared:
+        raise UnsupportedArchitectureError(
+            f"glm5_next with indexer layers sharing the previous layer's selection ({shared}) is not supported")
+    if not hf.index_kpool_always_select_tail:
+        raise UnsupportedArchitectureError(
+            "glm5_next with index_kpool_always_select_tail=False (a query would not see its own incomplete pool)")
+    params = Glm5NextParams(
+        num_attention_heads=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+        attention_bias=bool(hf.attention_bias), linear_num_heads=hf.linear_num_heads,
+        linear_head_dim=hf.linear_head_dim, linear_conv_kernel_dim=hf.linear_conv_kernel_dim,
+        linear_lower_bound=None if hf.linear_lower_bound is None else float(hf.linear_lower_bound),
+        intermediate_size=hf.intermediate_size,
+        moe_layers=tuple(i for i, t in enumerate(hf.mlp_layer_types) if t == "sparse"),
+        num_experts=hf.n_routed_experts, num_experts_per_tok=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size, num_shared_experts=hf.n_shared_experts, n_group=hf.n_group,
+        topk_group=hf.topk_group, norm_topk_prob=bool(hf.norm_topk_prob),
+        routed_scaling_factor=float(hf.routed_scaling_factor),
+        swiglu_limit=None if hf.swiglu_limit is None else float(hf.swiglu_limit), hc_mult=hf.hc_mult,
+        hc_eps=float(hf.hc_eps), hc_sinkhorn_iters=hf.hc_sinkhorn_iters, index_topk=hf.index_topk,
+        index_n_heads=hf.index_n_heads, index_head_dim=hf.index_head_dim, index_kpool=hf.index_kpool)
+    return tuple(FULL if t == "indexed_attention" else t for t in hf.layer_types), params
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str          # hypic architecture: selects the model module (models/registry.py)
     hf_type: str | None  # transformers model_type whose config class parses the dict (None: remote code)
@@ -1066,15 +1131,16 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "recurrent_gemma": ArchSpec("recurrent_gemma", "recurrent_gemma", _parse_recurrent_gemma),
     "qwen4_exp": ArchSpec("qwen4_exp", "qwen4_exp_text", _parse_qwen4_exp),
     "qwen4_exp_text": ArchSpec("qwen4_exp", "qwen4_exp_text", _parse_qwen4_exp),
+    "glm5_next": ArchSpec("glm5_next", "glm5_next_text", _parse_glm5_next),
+    "glm5_next_text": ArchSpec("glm5_next", "glm5_next_text", _parse_glm5_next),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),
 }
-_TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text"}
+_TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text",
+                    "glm5_next": "glm5_next_text"}
 # Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
-    "glm5_next": "KDA + MLA with a pooled-key sparse indexer and Sinkhorn-mixed residual streams: not implemented yet "
-                 "(docs/notes/indexed-attention.md)",
     "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
     "mamba2": "pure Mamba2, no attention layer: not a hybrid, not implemented",

@@ -48,6 +48,7 @@ ARCHS = {
     "lfm3": ("tiny-lfm3", "Lfm3ForCausalLM"),
     "recurrent_gemma": ("tiny-recurrent-gemma", "RecurrentGemmaForCausalLM"),
     "qwen4_exp": ("tiny-qwen4-exp", "Qwen4ExpForCausalLM"),
+    "glm5_next": ("tiny-glm5-next", "Glm5NextForConditionalGeneration"),   # its only LM class: with a tiny vision tower
     "llama": ("tiny-llama", "LlamaForCausalLM"),
     "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }
@@ -65,6 +66,10 @@ def _shipped(cls: str | None) -> bool:
 ARCHS = {a: v for a, v in ARCHS.items() if _shipped(v[1])}
 
 
+TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=64,
+                   projection_intermediate_size=16)
+
+
 def hf_model(arch: str, seed: int = 0, **overrides):
     """A transformers model of the arch's tiny preset with *slow* decays (A in [0.01, 0.3]) and
     non-trivial norms, so the transition operator T is far from zero and a wrong composition shows."""
@@ -80,10 +85,17 @@ def hf_model(arch: str, seed: int = 0, **overrides):
         return RingLinearReference(d, seed)
     mt = d.pop("model_type")
     torch.manual_seed(seed)
-    model = getattr(transformers, cls)(AutoConfig.for_model(mt, **d)).eval()
+    if cls.endswith("ForConditionalGeneration"):       # a multimodal class: the text config under a tiny vision tower
+        config = AutoConfig.for_model(mt.removesuffix("_text"), text_config=dict(d, model_type=mt),
+                                      vision_config=TINY_VISION)
+    else:
+        config = AutoConfig.for_model(mt, **d)
+    model = getattr(transformers, cls)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if arch == "bailing_hybrid" and "forget_gate" in name and name.endswith(("A_log", "dt_bias")):
+            if "visual" in name:
+                continue
+            if arch in ("bailing_hybrid", "glm5_next") and "forget_gate" in name and name.endswith(("A_log", "dt_bias")):
                 # the bounded gate g = -5 sigmoid(exp(A_log) (f + dt_bias)) is slow when its argument is well below 0
                 lo, hi = (1.0, 16.0) if name.endswith("A_log") else (-2.0, -0.5)
                 p.copy_(torch.empty_like(p).uniform_(lo, hi))
@@ -101,6 +113,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) * 0.1)
             elif name.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight", "conv.in_proj.weight")):
                 p.mul_(5.0)                        # Mamba's x, B, C (and LFM2's B, C, x) at O(1)
+            elif arch == "glm5_next" and name.endswith(("compress_ape", "_hc.base", "k_norm.bias")):
+                p.copy_(torch.randn_like(p) * 0.5)      # zero at init: make them count
+            elif arch == "glm5_next" and name.endswith(("compress_gate", "weights_proj.weight")):
+                p.copy_(torch.randn_like(p) * 0.3)      # ones / tiny at init: pooling weights and head weights at O(1)
             elif "adapter_list" in name:          # Zamba2's per-layer adapters: as large as the shared weights
                 p.mul_(8.0)
             elif name.endswith("x_proj_weight"):  # Zamba's per-head x_proj: B and C at O(1) (no norms after it)
@@ -109,6 +125,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) * 0.1)
             elif arch == "recurrent_gemma" and name.endswith(("gate_weight", "conv_1d.weight")):
                 p.mul_(10.0)                       # the RG-LRU's gates and conv at O(1): their inputs show
+        if arch == "glm5_next":                   # the router's correction bias (a buffer, zero at init)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.rand_like(b) * 0.3)
         if arch == "lfm2_moe":                    # the selection-only expert bias (a buffer, zero at init): make it count
             for name, b in model.named_buffers():
                 if name.endswith("expert_bias"):

@@ -509,22 +509,22 @@ def test_qwen4_exp_selection_is_sparse_and_follows_positions():
     keys = torch.randn(n, 1, p.indexer_head_dim, generator=g)
     q = torch.randn(3, p.indexer_n_heads, p.indexer_head_dim, generator=g)
     pos = torch.arange(n)
-    assert ix.select(q, torch.tensor([3, 10, 15]), keys, pos, pos) is None          # at most 4 complete blocks
+    assert ix.select((q,), torch.tensor([3, 10, 15]), keys, pos, pos) is None          # at most 4 complete blocks
     q_pos = torch.tensor([20, 33, 49])
-    allowed = ix.select(q, q_pos, keys, pos, pos) & (pos[None, :] <= q_pos[:, None])
+    allowed = ix.select((q,), q_pos, keys, pos, pos) & (pos[None, :] <= q_pos[:, None])
     blocks = (q_pos + 1) // ix.block
     for i in range(3):
         tail = int(q_pos[i]) + 1 - int(blocks[i]) * ix.block
         assert int(allowed[i].sum()) == ix.top * ix.block + tail
         assert allowed[i, int(blocks[i]) * ix.block : int(q_pos[i]) + 1].all()
     perm = torch.randperm(n, generator=g)
-    again = ix.select(q, q_pos, keys[perm], pos[perm], pos[perm]) & (pos[perm][None, :] <= q_pos[:, None])
+    again = ix.select((q,), q_pos, keys[perm], pos[perm], pos[perm]) & (pos[perm][None, :] <= q_pos[:, None])
     assert torch.equal(again, allowed[:, perm])
     import hypic.layers.indexed as indexed
 
     old, indexed.SCORE_BYTES = indexed.SCORE_BYTES, 1              # the scores one query at a time: the same choice
     try:
-        sliced = ix.select(q, q_pos, keys, pos, pos) & (pos[None, :] <= q_pos[:, None])
+        sliced = ix.select((q,), q_pos, keys, pos, pos) & (pos[None, :] <= q_pos[:, None])
     finally:
         indexed.SCORE_BYTES = old
     assert torch.equal(sliced, allowed)
@@ -556,3 +556,46 @@ def test_qwen4_exp_attends_in_query_slices_alike():
         indexed.MASK_ELEMENTS = old
     assert got.token_ids == want.token_ids
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+
+
+# -- GLM-5 Next ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["unbounded-gate-two-streams", "pools8-one-group"])
+def test_glm5_next_variants_match_transformers(tmp_path, variant):
+    """The preset: the bounded forget gate (-5), three mHC streams, pools of 4 (top 16 tokens), two router groups. Here:
+    Kimi's unbounded gate with two streams; pools of 8 (top 24 tokens) with one router group."""
+    over = {"unbounded-gate-two-streams": dict(linear_lower_bound=None, hc_mult=2),
+            "pools8-one-group": dict(index_kpool=8, index_topk=24, n_group=1, topk_group=1)}[variant]
+    model = hf_model("glm5_next", seed=4, **over)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    _check_full(model, llm)
+    _pic_checks(llm)
+
+
+@pytest.mark.parametrize("over,match", [(dict(indexer_types=["full", "full", "full", "full", "full", "shared"]),
+                                         "sharing the previous layer"),
+                                        (dict(index_kpool_always_select_tail=False), "always_select_tail")])
+def test_glm5_next_refuses_what_it_does_not_serve(over, match):
+    from hypic.config import ModelConfig
+    from hypic.errors import UnsupportedArchitectureError
+    from hypic.models.presets import preset_config
+
+    with pytest.raises(UnsupportedArchitectureError, match=match):
+        ModelConfig.from_dict(dict(preset_config("tiny-glm5-next"), **over))
+
+
+def test_glm5_next_released_layout_loads(tmp_path):
+    """The checkpoint as transformers saves it (multimodal: `model.language_model.*`, a vision tower, `hc_attn_*`
+    tensors, q/k/v convs and forget-gate tensors under `self_attn`, experts one by one) plus an MTP layer and a
+    `shared_head` tensor as released checkpoints carry them: the engine drops what it does not serve and loads the
+    rest; its logits equal those from the same weights without the extra tensors."""
+    from safetensors.torch import load_file, save_file
+
+    model = hf_model("glm5_next", seed=2)
+    llm = _engine(model, tmp_path / "a", cache_mode="full")
+    sd = load_file(str(next((tmp_path / "a").glob("*.safetensors"))))
+    assert any(k.startswith("model.visual.") for k in sd) and any(".hc_attn_fn" in k for k in sd)
+    extra = dict(sd)
+    extra["model.language_model.layers.6.self_attn.q_a_proj.weight"] = torch.zeros(16, 64)       # an MTP layer
+    extra["model.language_model.layers.5.shared_head.norm.weight"] = torch.ones(64)
+    path = _same_engine_from(tmp_path, llm, extra)
+    assert path.exists()

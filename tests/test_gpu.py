@@ -461,7 +461,8 @@ def test_fused_norms_and_gate_match_reference():
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-granite-4.0-h", "tiny-olmo-hybrid", "tiny-falcon-h1",
                                     "tiny-bamba", "tiny-zamba2", "tiny-zamba", "tiny-lfm2-moe",
                                     "tiny-nemotron-3", "tiny-kimi-linear", "tiny-lara-mini",
-                                    "tiny-lfm3", "tiny-recurrent-gemma", "tiny-qwen4-exp"])
+                                    "tiny-lfm3", "tiny-recurrent-gemma", "tiny-qwen4-exp",
+                                    "tiny-glm5-next"])
 def test_engine_bf16_cuda_matches_cpu_reference(preset):
     """The same weights in fp32 on the CPU (reference ops) and bf16 on CUDA (fast ops); the bound is
     twice the CPU reference's own error in bf16 on this model (gpu_check.py explains why). Granite 4.0-H,
@@ -469,7 +470,7 @@ def test_engine_bf16_cuda_matches_cpu_reference(preset):
     two stateful mixers per layer; Bamba, Zamba2 and Zamba (shared blocks reading the embeddings, Zamba's multi-head
     Mamba1), LFM2-MoE, Nemotron 3 (relu² experts by grouped GEMM), Kimi-Linear (its router and dt_bias kept fp32
     in bf16), Lara-mini and LFM3 (sliding-window attention through the masked blocks), RecurrentGemma (the RG-LRU
-    through fla's HGRN kernel) and Qwen4-Exp (indexed attention through SDPA with the selection mask; a block chosen
+    through fla's HGRN kernel), Qwen4-Exp and GLM-5 Next (indexed attention through SDPA with the selection mask; a block chosen
     differently in bf16 than in fp32 would show here as a large error) added after the last GPU run
     (not yet run there)."""
     from hypic import LLM, Prompt

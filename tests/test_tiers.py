@@ -99,10 +99,10 @@ def test_disk_tier_persists_across_engines(plain, tmp_path):
     assert not list(tmp_path.glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen4-exp", "tiny-recurrent-gemma", "tiny-zamba2"])
+@pytest.mark.parametrize("preset", ["tiny-qwen4-exp", "tiny-glm5-next", "tiny-recurrent-gemma", "tiny-zamba2"])
 def test_disk_tier_round_trip_of_every_entry_layout(preset, tmp_path):
     """Entries with parts beyond one mixer per layer go through their byte form unchanged: Qwen4-Exp's indexer keys
-    (a second attention part per indexed layer, with no values), RecurrentGemma's [D, 1, 1] states, Zamba2's block
+    (a second attention part per indexed layer, with no values; GLM-5 Next's hold keys and pooling logits), RecurrentGemma's [D, 1, 1] states, Zamba2's block
     attention beside its Mamba2 part. A second engine on the directory serves the request from disk, bit for bit."""
     p = _prompt(4, n=3)
     a = LLM(preset, disk_cache_dir=str(tmp_path))

@@ -6,6 +6,12 @@ complete block's key is the mean of its raw keys, normed, then RoPE'd at the blo
 sum_h relu(q_h . key) / sqrt(d), and the query reads the `top` best complete blocks plus the incomplete last one
 (every block while there are at most `top`: dense causal attention).
 
+GLM-5 Next's DSA indexer (`PooledIndexerKeys`) differs in how a block ("pool") is summarised and scored: its key
+is a softmax-weighted average of the tokens' keys (per channel, weights from a per-token gate plus a learned bias per
+offset in the pool), and a pool scores sum_h w_h relu(q_h . key / sqrt(d)) with per-token head weights w; its queries
+come from the attention's query latent. Blocks, their alignment at position 0, the top-k per query and the incomplete
+last block are the same.
+
 For PIC the raw keys are what is cached: they are position free, so the indexer is a stateful mixer of its own
 (`IndexerKeys`, id num_layers + layer) whose buffer, entries and prefix nodes hold them exactly as an attention layer
 holds its keys. Blocks and scores are not cached: they depend on where a segment lands (block boundaries are absolute
@@ -18,27 +24,88 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..runtime.batch import ForwardBatch
 from .attention import AttentionMixer, GatedAttention
-from .norm import RMSNorm
+from .mla import MultiHeadLatentAttention
+from .norm import RMSNorm, ScaledRMSNorm
 
 
 SCORE_BYTES = 64 << 20         # the selection's per-head scores are made for this many bytes of queries at a time
 MASK_ELEMENTS = 64 << 20       # an indexed layer attends for this many [query, key] mask elements at a time
 
 
-class IndexerKeys(AttentionMixer):
-    """The QSA indexer of one layer: its parameters (transformers' names, under `self_attn.indexer`) and, as a stateful
-    mixer, the request's raw indexer keys (one head, no values). Driven by its attention layer (`IndexedAttention`),
+class _Indexer(AttentionMixer):
+    """What both indexers share as stateful mixers: per-token raw keys (one head, no values) stored and cached like
+    attention keys, and the selection from blocks of `block` positions counted from 0 (`select`). A subclass writes
+    `project` (its queries' inputs and raw keys), `queries` and `pool` / `scores`. Driven by its attention layer,
     never called as a layer itself."""
 
     num_kv_heads = 1
     value_dim = 0
     scale = 1.0
     planned_only = True
+    block: int
+    top: int
+
+    def forward(self, x, batch):
+        raise RuntimeError("the indexer runs inside its attention layer")
+
+    def queries(self, x, q, batch: ForwardBatch, extra) -> tuple:
+        """The active tokens' query tensors (each [Nq, ...]) from project's q."""
+        raise NotImplementedError
+
+    def pool(self, raw: torch.Tensor) -> torch.Tensor:
+        """raw [nb, block, key_dim] (complete blocks in position order) -> the blocks' keys [nb, d] as scored."""
+        raise NotImplementedError
+
+    def scores(self, q: tuple, pooled: torch.Tensor) -> torch.Tensor:
+        """[Nq, nb] fp32 block scores for the queries (a slice of `queries`' tensors)."""
+        raise NotImplementedError
+
+    def collect(self, x: torch.Tensor, batch: ForwardBatch, extra=None):
+        """The active tokens' indexer queries and, per sequence (by id), its raw keys and their positions after this
+        forward's keys were stored."""
+        q, k, v, _ = self.project(x, batch)
+        views = {id(seq): (kk, pp) for seq, kk, _, pp, _ in self.store(x, batch, k, k, v)}
+        return self.queries(x, q, batch, extra), views
+
+    def select(self, q: tuple, q_pos, keys, key_pos, attn_pos):
+        """allowed [Nq, Nk] bool over the attention's keys (positions attn_pos) for the queries q (tensors [Nq, ...])
+        at q_pos, from the raw keys [n, 1, key_dim] at key_pos (one per position 0..n-1, in any order); None where
+        every query reads every visible key (at most `top` complete blocks)."""
+        nq_blocks = torch.div(q_pos + 1, self.block, rounding_mode="floor")           # each query's complete blocks
+        if int(nq_blocks.max()) <= self.top:
+            return None
+        n = keys.shape[0]
+        if int(key_pos.max()) + 1 != n:
+            raise RuntimeError("indexed attention needs one key per position 0..n-1 (a request's own positions)")
+        raw = keys.new_empty(n, keys.shape[-1])
+        raw[key_pos] = keys[:, 0]                                                     # in position order
+        nb = n // self.block
+        pooled = self.pool(raw[: nb * self.block].view(nb, self.block, -1))
+        valid = torch.arange(nb, device=keys.device)[None, :] < nq_blocks[:, None]        # complete for that query
+        chosen = torch.zeros(q_pos.shape[0], nb + 1, dtype=torch.bool, device=keys.device)
+        # queries in slices: the per-head scores are [queries, heads, blocks] fp32 before the reduction over heads
+        step = max(1, SCORE_BYTES // (4 * nb * self.heads))
+        for a in range(0, q_pos.shape[0], step):
+            b = min(a + step, q_pos.shape[0])
+            sc = self.scores(tuple(t[a:b] for t in q), pooled)
+            top = sc.masked_fill(~valid[a:b], float("-inf")).topk(min(self.top, nb), dim=-1).indices
+            chosen[a:b, :nb] = torch.zeros_like(valid[a:b]).scatter_(1, top, True) & valid[a:b]
+        block_of = torch.div(attn_pos, self.block, rounding_mode="floor").clamp(max=nb)
+        tail = attn_pos[None, :] >= (nq_blocks * self.block)[:, None]                   # the incomplete last block
+        return chosen[:, block_of] | tail
+
+
+class IndexerKeys(_Indexer):
+    """Qwen4-Exp's QSA indexer (parameters under `self_attn.indexer`, transformers' names): queries and raw keys from
+    one projection of the layer input; a block's key is the mean of its raw keys, normed (zero-centred) and RoPE'd at
+    the block's first position; the queries normed and RoPE'd at theirs; a block scores sum_h relu(q_h . key) /
+    sqrt(d)."""
 
     def __init__(self, cfg: ModelConfig, mixer_id: int, ops, rotary):
         super().__init__(mixer_id, ops)
@@ -57,67 +124,74 @@ class IndexerKeys(AttentionMixer):
         q, k = self.index_qk_proj(x).split([self.heads * self.key_dim, self.key_dim], dim=-1)
         return q.view(n, self.heads, self.key_dim), k.view(n, 1, self.key_dim), x.new_empty(n, 1, 0), None
 
-    def forward(self, x, batch):
-        raise RuntimeError("the indexer runs inside its attention layer (IndexedAttention)")
-
-    def collect(self, x: torch.Tensor, batch: ForwardBatch):
-        """The active tokens' indexer queries (normed, RoPE'd at their positions) and, per sequence (by id), its raw
-        keys and their positions after this forward's keys were stored."""
-        q, k, v, _ = self.project(x, batch)
+    def queries(self, x, q, batch, extra):
         rot = self.rotary[0]
         cos, sin = rot.cos_sin(batch.positions, q.dtype)
-        q = rot.apply(self.q_layernorm(q), cos, sin)
-        views = {id(seq): (kk, pp) for seq, kk, _, pp, _ in self.store(x, batch, k, k, v)}
-        return q, views
+        return (rot.apply(self.q_layernorm(q), cos, sin),)
 
-    def select(self, q, q_pos, keys, key_pos, attn_pos):
-        """allowed [Nq, Nk] bool over the attention's keys (positions attn_pos) for the queries q [Nq, heads, d] at
-        q_pos, from the raw keys [n, 1, d] at key_pos (one per position 0..n-1, in any order); None where every query
-        reads every visible key (at most `top` complete blocks)."""
-        nq_blocks = torch.div(q_pos + 1, self.block, rounding_mode="floor")           # each query's complete blocks
-        if int(nq_blocks.max()) <= self.top:
-            return None
-        n = keys.shape[0]
-        if int(key_pos.max()) + 1 != n:
-            raise RuntimeError("indexed attention needs one key per position 0..n-1 (a request's own positions)")
-        raw = keys.new_empty(n, self.key_dim)
-        raw[key_pos] = keys[:, 0]                                                     # in position order
-        nb = n // self.block
-        pooled = raw[: nb * self.block].view(nb, self.block, self.key_dim).float().mean(1).to(keys.dtype)
+    def pool(self, raw):
+        pooled = raw.float().mean(1).to(raw.dtype)
         rot = self.rotary[0]
-        starts = torch.arange(nb, device=keys.device) * self.block
-        cos, sin = rot.cos_sin(starts, keys.dtype)
-        pooled = rot.apply(self.k_layernorm(pooled)[:, None], cos, sin)[:, 0]
-        valid = torch.arange(nb, device=keys.device)[None, :] < nq_blocks[:, None]        # complete for that query
-        chosen = torch.zeros(q.shape[0], nb + 1, dtype=torch.bool, device=keys.device)
-        pf = pooled.float()
-        # queries in slices: the per-head scores are [queries, blocks, heads] fp32 before the relu and the sum
-        step = max(1, SCORE_BYTES // (4 * nb * self.heads))
-        for a in range(0, q.shape[0], step):
-            b = min(a + step, q.shape[0])
-            sc = torch.relu(torch.einsum("qhd,bd->qbh", q[a:b].float(), pf)).sum(-1) / math.sqrt(self.key_dim)
-            top = sc.masked_fill(~valid[a:b], float("-inf")).topk(min(self.top, nb), dim=-1).indices
-            chosen[a:b, :nb] = torch.zeros_like(valid[a:b]).scatter_(1, top, True) & valid[a:b]
-        block_of = torch.div(attn_pos, self.block, rounding_mode="floor").clamp(max=nb)
-        tail = attn_pos[None, :] >= (nq_blocks * self.block)[:, None]                   # the incomplete last block
-        return chosen[:, block_of] | tail
+        cos, sin = rot.cos_sin(torch.arange(raw.shape[0], device=raw.device) * self.block, raw.dtype)
+        return rot.apply(self.k_layernorm(pooled)[:, None], cos, sin)[:, 0]
+
+    def scores(self, q, pooled):
+        return torch.relu(torch.einsum("qhd,bd->qhb", q[0].float(), pooled.float())).sum(1) / math.sqrt(self.key_dim)
 
 
-class IndexedAttention(GatedAttention):
-    """Qwen3.5's gated attention (q/k norms, partial RoPE, sigmoid output gate) reading the keys its indexer selects.
-    Runs on the planned paths only (dynamic decode, eager compose: `planned_only`)."""
+class PooledIndexerKeys(_Indexer):
+    """GLM-5 Next's DSA indexer with gated pooling (parameters under `self_attn.indexer`, transformers' names): per
+    token a key LayerNorm(wk x) and pooling logits x W_gate^T, stored side by side as the raw key [k | g]; queries
+    wq_b(the attention's query latent), no norm, no RoPE (NoPE); head weights weights_proj(x) / sqrt(heads). A pool's
+    key: sum over its tokens of softmax_tokens(g + ape[offset]) * k, per channel; its score sum_h w_h
+    relu(q_h . key / sqrt(d))."""
+
+    def __init__(self, cfg: ModelConfig, mixer_id: int, ops):
+        super().__init__(mixer_id, ops)
+        p = cfg.params
+        self.heads, self.d = p.index_n_heads, p.index_head_dim
+        self.key_dim = 2 * self.d
+        self.block, self.top = p.index_kpool, p.index_topk // p.index_kpool
+        self.wq_b = nn.Linear(p.q_lora_rank, self.heads * self.d, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.d, bias=False)
+        self.k_norm = nn.LayerNorm(self.d, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.block, self.d))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.d, cfg.hidden_size))
+
+    def project(self, x, batch):
+        n = x.shape[0]
+        k = torch.cat([self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)], dim=-1)
+        return None, k.view(n, 1, self.key_dim), x.new_empty(n, 1, 0), None
+
+    def queries(self, x, q, batch, q_latent):
+        n = x.shape[0]
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5
+        return self.wq_b(q_latent).view(n, self.heads, self.d), w
+
+    def pool(self, raw):
+        k, g = raw[..., : self.d], raw[..., self.d :]
+        w = torch.softmax(g.float() + self.index_kpool_compress_ape.float()[None], dim=1).to(k.dtype)
+        return (w * k).sum(1)
+
+    def scores(self, q, pooled):
+        qh, w = q
+        sc = torch.relu(torch.einsum("qhd,bd->qhb", qh.float(), pooled.float()) * self.d ** -0.5)
+        return torch.einsum("qh,qhb->qb", w, sc)
+
+
+class _IndexedForward:
+    """The forward of an attention layer whose keys an indexer (`self.indexer`) selects: the indexer's keys stored
+    and its queries made (from the layer input and the attention's `project` extra), then per sequence, in query
+    slices of bounded mask size, the selection and the attention under it."""
 
     planned_only = True
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
-        super().__init__(cfg, layer_idx, ops, rotary)
-        self.indexer = IndexerKeys(cfg, cfg.num_layers + layer_idx, ops, rotary)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.static is not None or batch.captured is not None:
             raise RuntimeError("indexed attention runs on the planned paths only")
-        qi, views = self.indexer.collect(x, batch)
-        q, k_raw, v, gate = self.project(x, batch)
+        q, k_raw, v, extra = self.project(x, batch)
+        qi, views = self.indexer.collect(x, batch, extra)
         q = self.place_queries(q, batch.positions, batch)
         k = self.place_keys(k_raw, batch.positions, batch)
         out = None
@@ -127,7 +201,7 @@ class IndexedAttention(GatedAttention):
             step = max(1, MASK_ELEMENTS // max(1, pp.shape[0]))
             for a in range(seq.start, seq.end, step):
                 sl = slice(a, min(a + step, seq.end))
-                allowed = self.indexer.select(qi[sl], batch.positions[sl], ik, ipos, pp)
+                allowed = self.indexer.select(tuple(t[sl] for t in qi), batch.positions[sl], ik, ipos, pp)
                 o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=ordered and step >= seq.end - a,
                                 allowed=allowed)
                 if out is None:
@@ -135,4 +209,32 @@ class IndexedAttention(GatedAttention):
                 out[sl] = o
         if out is None:
             return self.no_tokens(x)
-        return self.output(x, out, gate)
+        return self.output(x, out, extra)
+
+
+class IndexedAttention(_IndexedForward, GatedAttention):
+    """Qwen3.5's gated attention (q/k norms, partial RoPE, sigmoid output gate) reading the keys its QSA indexer
+    selects. Runs on the planned paths only (dynamic decode, eager compose: `planned_only`)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
+        super().__init__(cfg, layer_idx, ops, rotary)
+        self.indexer = IndexerKeys(cfg, cfg.num_layers + layer_idx, ops, rotary)
+
+
+class IndexedLatentAttention(_IndexedForward, MultiHeadLatentAttention):
+    """GLM-5 Next's MLA (NoPE; q through a LoRA latent; its norms at the config's eps) reading the keys its DSA
+    indexer selects; the indexer's queries come from the query latent (`project`'s extra)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
+        super().__init__(cfg, layer_idx, ops, None)
+        self.q_a_layernorm = ScaledRMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = ScaledRMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
+        self.indexer = PooledIndexerKeys(cfg, cfg.num_layers + layer_idx, ops)
+
+    def project(self, x, batch):
+        n = x.shape[0]
+        latent = self.q_a_layernorm(self.q_a_proj(x))
+        c = self.kv_a_proj_with_mqa(x)[:, : self.kv_lora_rank]
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(n, self.nh, self.nope + self.vd)
+        k, v = kv.split([self.nope, self.vd], dim=-1)
+        return self.q_b_proj(latent).view(n, self.nh, self.key_dim), k, v, latent

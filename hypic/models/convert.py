@@ -233,6 +233,19 @@ def lfm3(tensors: dict, cfg: ModelConfig) -> dict:
     return _common(_rename(tensors, [(r"\.self_attn\.gate_proj\.", ".self_attn.g_proj.")]), cfg)
 
 
+def glm5_next(tensors: dict, cfg: ModelConfig) -> dict:
+    """The saved layout (transformers writes it back so): the hyper-connections' tensors as `hc_attn_*` / `hc_ffn_*`
+    beside the layer's modules, the KDA forget gate's tensors directly under `self_attn`, q/k/v convs apart, experts
+    per expert; the MTP layers (index num_hidden_layers and on) and `shared_head` tensors are dropped."""
+    n = cfg.num_layers
+    keep = {k: v for k, v in tensors.items()
+            if not re.search(r"\.shared_head\.", k)
+            and not ((m := re.search(r"(?:^|\.)layers\.(\d+)\.", k)) and "visual" not in k and int(m.group(1)) >= n)}
+    t = _rename(keep, [(r"\.hc_attn_(base|fn|scale)$", r".attn_hc.\1"), (r"\.hc_ffn_(base|fn|scale)$", r".ffn_hc.\1"),
+                       (r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)", r".self_attn.forget_gate.\1")])
+    return _common(_join_convs(t, "self_attn"), cfg)
+
+
 def recurrent_gemma(tensors: dict, cfg: ModelConfig) -> dict:
     """The released layout is transformers' (the LM head tied to the embeddings, not stored)."""
     return _common(tensors, cfg)

@@ -228,6 +228,20 @@ PRESETS: dict[str, dict] = {
                             shared_expert_intermediate_size=32, hc_count=3, hc_lowrank=16, indexer_n_heads=16,
                             indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4,
                             layer_types=["linear_attention", "linear_attention", "indexed_attention"] * 2),
+    # GLM-5 Next: KDA (bounded gate) and NoPE MLA with a DSA indexer (pools of 4, top 16 tokens) every third layer,
+    # three mHC streams, dense and MoE MLPs with a SwiGLU clamp low enough to bite on random weights (0.1).
+    "tiny-glm5-next": dict(
+        model_type="glm5_next_text", vocab_size=320, hidden_size=64, num_hidden_layers=6,
+        layer_types=["linear_attention", "linear_attention", "indexed_attention"] * 2,
+        mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse", "sparse"], intermediate_size=128,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, swiglu_limit=0.1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16,
+        linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=3,
+        hc_eps=1e-6, hc_sinkhorn_iters=20, index_topk=16, index_kpool=4, index_n_heads=16, index_head_dim=8,
+        max_position_embeddings=65536, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=256,
+        bos_token_id=None, pad_token_id=None, initializer_range=0.02,
+    ),
     # Plain transformers (no linear layer): SmolLM2's layout (tied, no biases) and Qwen2's (q/k/v biases).
     "tiny-llama": dict(
         model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -32,6 +32,7 @@ _MODELS = {
     "recurrent_gemma": ("hypic.models.recurrent_gemma", "RecurrentGemmaForCausalLM", "hypic.models.convert",
                         "recurrent_gemma"),
     "qwen4_exp": ("hypic.models.qwen4_exp", "Qwen4ExpForCausalLM", "hypic.models.convert", "qwen3_5"),
+    "glm5_next": ("hypic.models.glm5_next", "Glm5NextForCausalLM", "hypic.models.convert", "glm5_next"),
     "llama": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
     "qwen2": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
 }

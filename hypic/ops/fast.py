@@ -800,18 +800,20 @@ def _sort_by_expert(flat, e: int, few: bool):
     return order, offs
 
 
-def experts_forward(x, weights, experts, gate_up, down):
+def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None):
     """Tokens sorted by expert; the Triton kernel for few rows per expert, else two grouped GEMMs; a
-    deterministic combine (no atomics)."""
+    deterministic combine (no atomics). `limit` (clamped SwiGLU inputs): the grouped GEMMs with the clamps between
+    them (the Triton kernel does not clamp)."""
     n, k = experts.shape
     e = gate_up.shape[0]
-    few = MOE_FEW_ROWS and n * k <= FEW_ROWS_PER_EXPERT * e and triton_here(x) and x.dtype != torch.float64
+    few = (MOE_FEW_ROWS and limit is None and n * k <= FEW_ROWS_PER_EXPERT * e and triton_here(x)
+           and x.dtype != torch.float64)
     # grouped GEMM: bf16 on CUDA. fp32 on CUDA (the quality study) takes the few-rows kernel (fp32 products) where
     # it applies, else the reference loop, which reads the experts in use on the host: a decode step's CUDA graph
     # capture failed on it (H200 run 77), so an fp32 decode step must stay on the kernel
     other = x.dtype == torch.float64 or (x.is_cuda and x.dtype != torch.bfloat16) or not _grouped_dims(gate_up, down)
     if other and not few:
-        return ref.experts_forward(x, weights, experts, gate_up, down)
+        return ref.experts_forward(x, weights, experts, gate_up, down, limit)
     flat = experts.reshape(-1)
     order, offs = _sort_by_expert(flat, e, few)
     if few:
@@ -822,10 +824,10 @@ def experts_forward(x, weights, experts, gate_up, down):
             except Exception as err:
                 kernel_failed("moe", err)
     if other:
-        return ref.experts_forward(x, weights, experts, gate_up, down)
+        return ref.experts_forward(x, weights, experts, gate_up, down, limit)
     xs = x[order // k]
     gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)     # [n*k, H]
+    ys = torch._grouped_mm(ref.clamped_swiglu(gate, up, limit), down.transpose(1, 2), offs=offs)     # [n*k, H]
     return _combine(ys, order, weights, x.dtype)
 
 

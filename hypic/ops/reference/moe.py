@@ -23,13 +23,21 @@ def route(x, router, top_k: int, norm_topk_prob: bool):
     return weights.to(x.dtype), experts
 
 
-def experts_forward(x, weights, experts, gate_up, down):
-    """sum_k weights[:, k] * down_e(silu(gate_e x) * up_e x), looping over the experts in use."""
+def clamped_swiglu(gate, up, limit: float | None):
+    """silu(gate) * up, with GLM-5 Next's clamps where `limit` is given: gate at most limit, up within +-limit."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None):
+    """sum_k weights[:, k] * down_e(silu(gate_e x) * up_e x), looping over the experts in use; `limit`: the SwiGLU's
+    inputs clamped (clamped_swiglu)."""
     out = torch.zeros_like(x)
     for e in experts.unique().tolist():
         tok, slot = torch.where(experts == e)
         gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[e]) * weights[tok, slot, None]
+        y = F.linear(clamped_swiglu(gate, up, limit), down[e]) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
 
