@@ -1098,6 +1098,49 @@ def _parse_glm5_next(hf):
 
 
 @dataclass(frozen=True)
+class MambaParams:
+    """Mamba / FalconMamba (`mamba`, `falcon_mamba`): a stack of Mamba (S6) blocks and nothing else; the Mamba1Mixer
+    fields (Jamba's names) plus how dt, B and C are normed."""
+
+    mamba_expand: int
+    mamba_d_state: int
+    mamba_d_conv: int
+    mamba_dt_rank: int
+    mamba_conv_bias: bool
+    mamba_proj_bias: bool
+    ssm_norms: str | None              # "weightless" (FalconMamba) or None (Mamba)
+    ssm_norm_eps: float
+
+
+def _parse_mamba(arch):
+    def parse(hf):
+        if hf.hidden_act != "silu":
+            raise UnsupportedArchitectureError(f"{arch} with hidden_act={hf.hidden_act!r} (only silu)")
+        falcon = arch == "falcon_mamba"
+        params = MambaParams(
+            mamba_expand=hf.expand, mamba_d_state=hf.state_size, mamba_d_conv=hf.conv_kernel,
+            mamba_dt_rank=int(hf.time_step_rank), mamba_conv_bias=bool(hf.use_conv_bias),
+            mamba_proj_bias=bool(hf.use_bias), ssm_norms="weightless" if falcon else None,
+            ssm_norm_eps=float(hf.mixer_rms_eps) if falcon else 0.0)
+        return (LINEAR,) * hf.num_hidden_layers, params
+    return parse
+
+
+def _parse_mamba2(hf):
+    if hf.hidden_act != "silu":
+        raise UnsupportedArchitectureError(f"mamba2 with hidden_act={hf.hidden_act!r} (only silu)")
+    if hf.num_heads * hf.head_dim != int(hf.expand * hf.hidden_size):
+        raise ConfigError(f"mamba2: num_heads x head_dim ({hf.num_heads} x {hf.head_dim}) must be expand x "
+                          f"hidden_size ({hf.expand} x {hf.hidden_size})")
+    lo, hi = hf.time_step_limit
+    params = Mamba2Params(
+        mamba_num_heads=hf.num_heads, mamba_head_dim=hf.head_dim, ssm_state_size=hf.state_size, n_groups=hf.n_groups,
+        conv_kernel=hf.conv_kernel, use_conv_bias=bool(hf.use_conv_bias), use_bias=bool(hf.use_bias),
+        time_step_min=float(lo), time_step_max=float(hi))
+    return (LINEAR,) * hf.num_hidden_layers, params
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str          # hypic architecture: selects the model module (models/registry.py)
     hf_type: str | None  # transformers model_type whose config class parses the dict (None: remote code)
@@ -1133,17 +1176,20 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen4_exp_text": ArchSpec("qwen4_exp", "qwen4_exp_text", _parse_qwen4_exp),
     "glm5_next": ArchSpec("glm5_next", "glm5_next_text", _parse_glm5_next),
     "glm5_next_text": ArchSpec("glm5_next", "glm5_next_text", _parse_glm5_next),
+    # state-space models: the degenerate hybrid with no attention layer
+    "mamba": ArchSpec("mamba", "mamba", _parse_mamba("mamba")),
+    "falcon_mamba": ArchSpec("falcon_mamba", "falcon_mamba", _parse_mamba("falcon_mamba")),
+    "mamba2": ArchSpec("mamba2", "mamba2", _parse_mamba2),
     # plain transformers: the degenerate hybrid with no linear layer (all layers full attention)
     "llama": ArchSpec("llama", "llama", _parse_transformer("llama")),
     "qwen2": ArchSpec("qwen2", "qwen2", _parse_transformer("qwen2")),
 }
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text",
                     "glm5_next": "glm5_next_text"}
-# Hybrid architectures transformers ships that hypic does not serve yet, and why (also in README).
+# Recurrent architectures transformers ships that hypic does not serve, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
-    "falcon_mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
-    "mamba": "pure Mamba1, no attention layer: not a hybrid, not implemented",
-    "mamba2": "pure Mamba2, no attention layer: not a hybrid, not implemented",
+    "rwkv": "RWKV-4's WKV recurrence, a pure RNN with no attention layer: not implemented",
+    "xlstm": "xLSTM: its sLSTM cells are not affine in their state, so no exact composition",
 }
 
 

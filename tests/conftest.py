@@ -49,6 +49,9 @@ ARCHS = {
     "recurrent_gemma": ("tiny-recurrent-gemma", "RecurrentGemmaForCausalLM"),
     "qwen4_exp": ("tiny-qwen4-exp", "Qwen4ExpForCausalLM"),
     "glm5_next": ("tiny-glm5-next", "Glm5NextForConditionalGeneration"),   # its only LM class: with a tiny vision tower
+    "mamba": ("tiny-mamba", "MambaForCausalLM"),
+    "falcon_mamba": ("tiny-falcon-mamba", "FalconMambaForCausalLM"),
+    "mamba2": ("tiny-mamba2", "Mamba2ForCausalLM"),
     "llama": ("tiny-llama", "LlamaForCausalLM"),
     "qwen2": ("tiny-qwen2", "Qwen2ForCausalLM"),
 }

@@ -599,3 +599,29 @@ def test_glm5_next_released_layout_loads(tmp_path):
     extra["model.language_model.layers.5.shared_head.norm.weight"] = torch.ones(64)
     path = _same_engine_from(tmp_path, llm, extra)
     assert path.exists()
+
+
+# -- State-space models with no attention layer ------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "mamba2"])
+def test_ssm_one_layer_pic_is_exact_once_the_seam_covers_the_conv(tmp_path, arch):
+    """One SSM layer over the token embeddings: its inputs carry no context, so a cached segment differs from its
+    in-context self only by the state it starts from (composed exactly) and its conv warm-up (the seam's business):
+    with a seam of W - 1 = 3 tokens PIC equals full recomputation for several segments in any order, cold and warm;
+    with a seam of 0 it does not, and neither does a second layer (its inputs, the first layer's outputs, were
+    computed without the context: what the seam window approximates in every deeper model)."""
+    model = hf_model(arch, seed=5, num_hidden_layers=1)
+    llm = _engine(model, tmp_path / "one", cache_mode="full")
+    two = _engine(hf_model(arch, seed=5, num_hidden_layers=2), tmp_path / "two", cache_mode="full")
+    segs = [rand_ids(n, 60 + n) for n in (40, 3, 90, 17)]
+    for order in (segs, segs[::-1]):
+        p = Prompt(prefix=rand_ids(7, 1), segments=list(order), query=rand_ids(5, 2))
+        for m in (llm, two):
+            m.set_policy("full")
+        full, full2 = llm.next_token_logits(p), two.next_token_logits(p)
+        llm.set_policy("pic", 3)
+        for _ in range(2):                                     # cold, then from the cache
+            torch.testing.assert_close(llm.next_token_logits(p), full, atol=ATOL, rtol=0)
+        llm.set_policy("pic", 0)
+        assert (llm.next_token_logits(p) - full).abs().max() > 10 * ATOL
+        two.set_policy("pic", 3)
+        assert (two.next_token_logits(p) - full2).abs().max() > 10 * ATOL

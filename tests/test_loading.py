@@ -112,8 +112,8 @@ def test_unsupported_layer_type_names_the_type(arch, field, value, name):
 
 
 def test_unsupported_hybrid_says_why(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
-    with pytest.raises(UnsupportedArchitectureError, match="mamba2.*no attention layer.*not implemented"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "xlstm"}))
+    with pytest.raises(UnsupportedArchitectureError, match="xlstm.*not affine"):
         LLM(str(tmp_path))
 
 

@@ -108,7 +108,7 @@ def test_parallel_config_is_validated():
 # -- the wire format ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-kimi-linear", "tiny-minimax", "tiny-nemotron-h",
                                     "tiny-lfm2", "tiny-jamba", "tiny-qwen4-exp", "tiny-recurrent-gemma",
-                                    "tiny-glm5-next"])
+                                    "tiny-glm5-next", "tiny-mamba", "tiny-mamba2"])
 def test_entry_survives_pack_and_unpack(preset):
     """Every part kind (dense / scalar / diagonal T, conv tails, empty states, K/V) in one flat buffer and back,
     bit for bit, each tensor owning its storage (not a view that pins the whole buffer)."""

@@ -1,7 +1,8 @@
-"""Mamba (S6) mixer as Jamba uses it: diagonal, input-dependent transitions per channel.
+"""Mamba (S6) mixer as Jamba, Mamba and FalconMamba use it: diagonal, input-dependent transitions per channel.
 
 in_proj(x) = [x (I) | gate z (I)]; a short causal conv (bias, silu) over x; then
-x_proj(x) = [dt (R) | B (N) | C (N)], each RMS-normed (Jamba), dt = softplus(dt_proj(dt)) [I], and
+x_proj(x) = [dt (R) | B (N) | C (N)], each RMS-normed (Jamba; FalconMamba without weights; Mamba not at all),
+dt = softplus(dt_proj(dt)) [I], and
 per channel d with A = -exp(A_log) [I, N]:
     h_t[d, :] = exp(dt_t[d] A[d, :]) * h_{t-1}[d, :] + dt_t[d] x_t[d] B_t        y_t[d] = h_t[d, :] . C_t + D[d] x_t[d]
 In fla's layout every channel is a head with K = N and V = 1: q = C and k = B shared by all
@@ -22,6 +23,18 @@ from ..compose.transition import Form, log_decay_transitions
 from ..config import ModelConfig
 from .linear import LinearMixer
 from .norm import ScaledRMSNorm
+
+
+class UnweightedRMSNorm(nn.Module):
+    """x / rms(x) in fp32, cast back (FalconMamba's dt / B / C norms: no parameter)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class _S6(LinearMixer):
@@ -61,9 +74,12 @@ class Mamba1Mixer(_S6):
         self.A_log = nn.Parameter(torch.zeros(self.inner, self.n))
         self.D = nn.Parameter(torch.ones(self.inner))
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=p.mamba_proj_bias)
-        self.dt_layernorm = ScaledRMSNorm(self.rank, cfg.rms_norm_eps)
-        self.b_layernorm = ScaledRMSNorm(self.n, cfg.rms_norm_eps)
-        self.c_layernorm = ScaledRMSNorm(self.n, cfg.rms_norm_eps)
+        # dt, B and C normed: with weights (Jamba), without (FalconMamba), or not at all (Mamba)
+        norms = getattr(p, "ssm_norms", "weighted")
+        eps = getattr(p, "ssm_norm_eps", cfg.rms_norm_eps)
+        for name, dim in (("dt_layernorm", self.rank), ("b_layernorm", self.n), ("c_layernorm", self.n)):
+            setattr(self, name, ScaledRMSNorm(dim, eps) if norms == "weighted" else UnweightedRMSNorm(eps)
+                    if norms == "weightless" else nn.Identity())
 
     def features(self, x, batch):
         raw, z = self.in_proj(x).chunk(2, dim=-1)

@@ -242,6 +242,25 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=256,
         bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
+    # State-space models with no attention layer: Mamba, FalconMamba (dt / B / C normed, no weights), Mamba2.
+    "tiny-mamba": dict(
+        model_type="mamba", vocab_size=320, hidden_size=64, num_hidden_layers=4, state_size=16, expand=2,
+        conv_kernel=4, time_step_rank=8, use_bias=False, use_conv_bias=True, hidden_act="silu",
+        layer_norm_epsilon=1e-5, tie_word_embeddings=True, eos_token_id=256, bos_token_id=None, pad_token_id=None,
+        initializer_range=0.02,
+    ),
+    "tiny-falcon-mamba": dict(
+        model_type="falcon_mamba", vocab_size=320, hidden_size=64, num_hidden_layers=4, state_size=16, expand=2,
+        conv_kernel=4, time_step_rank=8, use_bias=False, use_conv_bias=True, hidden_act="silu", mixer_rms_eps=1e-6,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=False, eos_token_id=256, bos_token_id=None, pad_token_id=None,
+        initializer_range=0.02,
+    ),
+    "tiny-mamba2": dict(
+        model_type="mamba2", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_heads=8, head_dim=16, expand=2,
+        state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, use_bias=False, use_conv_bias=True,
+        hidden_act="silu", layer_norm_epsilon=1e-5, tie_word_embeddings=False, eos_token_id=256, bos_token_id=None,
+        pad_token_id=None, initializer_range=0.02,
+    ),
     # Plain transformers (no linear layer): SmolLM2's layout (tied, no biases) and Qwen2's (q/k/v biases).
     "tiny-llama": dict(
         model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

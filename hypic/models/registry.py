@@ -33,6 +33,9 @@ _MODELS = {
                         "recurrent_gemma"),
     "qwen4_exp": ("hypic.models.qwen4_exp", "Qwen4ExpForCausalLM", "hypic.models.convert", "qwen3_5"),
     "glm5_next": ("hypic.models.glm5_next", "Glm5NextForCausalLM", "hypic.models.convert", "glm5_next"),
+    "mamba": ("hypic.models.mamba", "MambaForCausalLM", "hypic.models.convert", "nemotron_h"),
+    "falcon_mamba": ("hypic.models.mamba", "MambaForCausalLM", "hypic.models.convert", "nemotron_h"),
+    "mamba2": ("hypic.models.mamba", "MambaForCausalLM", "hypic.models.convert", "nemotron_h"),
     "llama": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
     "qwen2": ("hypic.models.llama", "TransformerForCausalLM", "hypic.models.convert", "transformer"),
 }
