@@ -970,6 +970,10 @@ def _parse_recurrent_gemma(hf):
     return tuple(types.get(t, t) for t in hf.layers_block_type), params
 
 
+# the indexed attention layers' type names: transformers 5.24's, and 5.17's per family (both rename "full_attention")
+_INDEXED = ("indexed_attention", "qwen_sparse_attention", "deepseek_sparse_attention")
+
+
 @dataclass(frozen=True)
 class Qwen4ExpParams:
     """Qwen4-Exp (text): Qwen3.5's Gated DeltaNet (output gate activation configurable) and gated attention layers
@@ -1029,7 +1033,7 @@ def _parse_qwen4_exp(hf):
         hc_count=hf.hc_count, hc_lowrank=hf.hc_lowrank, indexer_n_heads=hf.indexer_n_heads,
         indexer_head_dim=hf.indexer_head_dim, indexer_budget=hf.indexer_budget,
         indexer_compress_ratio=hf.indexer_compress_ratio)
-    return tuple(FULL if t == "indexed_attention" else t for t in hf.layer_types), params
+    return tuple(FULL if t in _INDEXED else t for t in hf.layer_types), params
 
 
 @dataclass(frozen=True)
@@ -1072,7 +1076,7 @@ class Glm5NextParams:
 
 
 def _parse_glm5_next(hf):
-    shared = [i for i, t in enumerate(hf.indexer_types) if t != "full" and hf.layer_types[i] == "indexed_attention"]
+    shared = [i for i, t in enumerate(hf.indexer_types) if t != "full" and hf.layer_types[i] in _INDEXED]
     if shared:
         raise UnsupportedArchitectureError(
             f"glm5_next with indexer layers sharing the previous layer's selection ({shared}) is not supported")
@@ -1094,7 +1098,7 @@ def _parse_glm5_next(hf):
         swiglu_limit=None if hf.swiglu_limit is None else float(hf.swiglu_limit), hc_mult=hf.hc_mult,
         hc_eps=float(hf.hc_eps), hc_sinkhorn_iters=hf.hc_sinkhorn_iters, index_topk=hf.index_topk,
         index_n_heads=hf.index_n_heads, index_head_dim=hf.index_head_dim, index_kpool=hf.index_kpool)
-    return tuple(FULL if t == "indexed_attention" else t for t in hf.layer_types), params
+    return tuple(FULL if t in _INDEXED else t for t in hf.layer_types), params
 
 
 @dataclass(frozen=True)

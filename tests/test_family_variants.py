@@ -625,3 +625,18 @@ def test_ssm_one_layer_pic_is_exact_once_the_seam_covers_the_conv(tmp_path, arch
         assert (llm.next_token_logits(p) - full).abs().max() > 10 * ATOL
         two.set_policy("pic", 3)
         assert (two.next_token_logits(p) - full2).abs().max() > 10 * ATOL
+
+
+def test_mamba2_two_groups_match_transformers(tmp_path):
+    """Two B / C groups, and the gated output normalised per group (transformers >= 5.24, as mamba_ssm does; the
+    preset has one group, where 5.17's whole-width norm agrees)."""
+    import inspect
+
+    from transformers.models.mamba2 import modeling_mamba2
+
+    if "group_size" not in inspect.signature(modeling_mamba2.MambaRMSNormGated.__init__).parameters:
+        pytest.skip("this transformers normalises Mamba2's output over all groups at once")
+    model = hf_model("mamba2", seed=4, n_groups=2)
+    llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
+    _check_full(model, llm)
+    _pic_checks(llm)

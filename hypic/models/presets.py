@@ -227,12 +227,12 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen4-exp": _tiny("qwen4_exp_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                             shared_expert_intermediate_size=32, hc_count=3, hc_lowrank=16, indexer_n_heads=16,
                             indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4,
-                            layer_types=["linear_attention", "linear_attention", "indexed_attention"] * 2),
+                            layer_types=["linear_attention", "linear_attention", "full_attention"] * 2),
     # GLM-5 Next: KDA (bounded gate) and NoPE MLA with a DSA indexer (pools of 4, top 16 tokens) every third layer,
     # three mHC streams, dense and MoE MLPs with a SwiGLU clamp low enough to bite on random weights (0.1).
     "tiny-glm5-next": dict(
         model_type="glm5_next_text", vocab_size=320, hidden_size=64, num_hidden_layers=6,
-        layer_types=["linear_attention", "linear_attention", "indexed_attention"] * 2,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
         mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse", "sparse"], intermediate_size=128,
         moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
         topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, swiglu_limit=0.1, num_attention_heads=4,
@@ -242,7 +242,8 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=256,
         bos_token_id=None, pad_token_id=None, initializer_range=0.02,
     ),
-    # State-space models with no attention layer: Mamba, FalconMamba (dt / B / C normed, no weights), Mamba2.
+    # State-space models with no attention layer: Mamba, FalconMamba (dt / B / C normed, no weights), Mamba2 (one group:
+    # transformers 5.17 normalises the gated output over the whole width, 5.24 per group; they agree at one).
     "tiny-mamba": dict(
         model_type="mamba", vocab_size=320, hidden_size=64, num_hidden_layers=4, state_size=16, expand=2,
         conv_kernel=4, time_step_rank=8, use_bias=False, use_conv_bias=True, hidden_act="silu",
@@ -257,7 +258,7 @@ PRESETS: dict[str, dict] = {
     ),
     "tiny-mamba2": dict(
         model_type="mamba2", vocab_size=320, hidden_size=64, num_hidden_layers=4, num_heads=8, head_dim=16, expand=2,
-        state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, use_bias=False, use_conv_bias=True,
+        state_size=16, n_groups=1, conv_kernel=4, chunk_size=16, use_bias=False, use_conv_bias=True,
         hidden_act="silu", layer_norm_epsilon=1e-5, tie_word_embeddings=False, eos_token_id=256, bos_token_id=None,
         pad_token_id=None, initializer_range=0.02,
     ),
