@@ -129,6 +129,11 @@ def test_grouped_experts_equal_reference(dtype):
     y1 = fast.experts_forward(x, weights, experts, gate_up, down)
     err = (y1.float() - y0.float()).norm() / y0.float().norm()
     assert err < (1e-5 if dtype is torch.float32 else 1e-2), err
+    # GLM-5 Next's clamped SwiGLU (gate <= 1, up in [-1, 1]: most of these inputs are clamped), the same bounds
+    c0 = ref.experts_forward(x, weights, experts, gate_up, down, 1.0)
+    c1 = fast.experts_forward(x, weights, experts, gate_up, down, 1.0)
+    assert (c1.float() - c0.float()).norm() / c0.float().norm() < (1e-5 if dtype is torch.float32 else 1e-2)
+    assert (c0.float() - y0.float()).norm() / y0.float().norm() > 0.1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

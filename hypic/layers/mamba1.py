@@ -25,6 +25,18 @@ from .linear import LinearMixer
 from .norm import ScaledRMSNorm
 
 
+def s4d_dummy_init(name: str, p: torch.Tensor) -> bool:
+    """A Mamba (S6) layer's A and D as the reference inits them: A[d, n] = -(n + 1) (S4D-real), D = 1; False for
+    another parameter."""
+    if name.endswith("A_log"):
+        p.copy_(torch.arange(1, p.shape[-1] + 1, dtype=p.dtype, device=p.device).log().expand_as(p))
+    elif name.endswith(".D"):
+        p.fill_(1.0)
+    else:
+        return False
+    return True
+
+
 class UnweightedRMSNorm(nn.Module):
     """x / rms(x) in fp32, cast back (FalconMamba's dt / B / C norms: no parameter)."""
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.reference.moe import clamped_swiglu
 from .joined import JoinedWeights
 
 
@@ -21,13 +22,18 @@ def activation(name: str):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool = False):
+    """SwiGLU; `limit`: its inputs clamped first (GLM-5 Next: gate at most limit, up within +-limit)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False, limit: float | None = None):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.limit = limit
 
     def forward(self, x):
+        if self.limit is not None:
+            return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -16,12 +16,11 @@ from torch import nn
 from ..config import FULL, ModelConfig
 from ..layers.indexed import IndexedLatentAttention
 from ..layers.kda import ForgetGate, KimiDeltaAttention
-from ..layers.mlp import Experts
+from ..layers.mlp import MLP
 from ..layers.norm import ScaledRMSNorm
-from ..ops.reference import clamped_swiglu
 from ..runtime.batch import ForwardBatch
 from .base import Backbone, CausalLM, uniform
-from .kimi_linear import KimiRouter
+from .kimi_linear import KimiMoe
 
 
 class BoundedForgetGate(ForgetGate):
@@ -46,38 +45,6 @@ class GlmDeltaAttention(KimiDeltaAttention):
         super().__init__(cfg, layer_idx, ops)
         p = cfg.params
         self.forget_gate = BoundedForgetGate(cfg.hidden_size, self.h, self.d, p.linear_lower_bound)
-
-
-class ClampedMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float | None):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.limit = limit
-
-    def forward(self, x):
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
-
-
-class GlmMoe(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        p = self.p = cfg.params
-        self.ops = ops
-        self.experts = Experts(cfg)
-        self.gate = KimiRouter(cfg)
-        self.shared_experts = ClampedMLP(cfg.hidden_size, p.moe_intermediate_size * p.num_shared_experts,
-                                         p.swiglu_limit)
-
-    def forward(self, x):
-        p = self.p
-        w, e = self.ops.route_grouped_sigmoid(x, self.gate.weight, self.gate.e_score_correction_bias,
-                                              p.num_experts_per_tok, p.n_group, p.topk_group, p.norm_topk_prob,
-                                              p.routed_scaling_factor)
-        y = self.ops.experts_forward(x, w.to(x.dtype), e, self.experts.gate_up_proj, self.experts.down_proj,
-                                     p.swiglu_limit)
-        return y + self.shared_experts(x)
 
 
 class HyperConnection(nn.Module):
@@ -124,8 +91,8 @@ class DecoderLayer(nn.Module):
         p = cfg.params
         self.self_attn = IndexedLatentAttention(cfg, i, ops) if cfg.layer_types[i] == FULL else GlmDeltaAttention(
             cfg, i, ops)
-        self.mlp = GlmMoe(cfg, ops) if i in p.moe_layers else ClampedMLP(cfg.hidden_size, p.intermediate_size,
-                                                                          p.swiglu_limit)
+        self.mlp = (KimiMoe(cfg, ops, p.swiglu_limit) if i in p.moe_layers
+                    else MLP(cfg.hidden_size, p.intermediate_size, limit=p.swiglu_limit))
         self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(cfg)

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import FULL, ModelConfig
 from ..layers.attention import Attention
-from ..layers.mamba1 import Mamba1Mixer
+from ..layers.mamba1 import Mamba1Mixer, s4d_dummy_init
 from ..layers.mlp import MLP, TopKMoe
 from ..layers.norm import ScaledRMSNorm
 from ..runtime.batch import ForwardBatch
@@ -42,10 +42,4 @@ class JambaForCausalLM(CausalLM):
         super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, norm_name="final_layernorm"))
 
     def dummy_init(self, name, p, generator) -> bool:
-        if name.endswith("A_log"):                       # S4D-real: A[d, n] = n + 1
-            p.copy_(torch.arange(1, p.shape[-1] + 1, dtype=p.dtype, device=p.device).log().expand_as(p))
-        elif name.endswith(".D"):
-            p.fill_(1.0)
-        else:
-            return False
-        return True
+        return s4d_dummy_init(name, p)

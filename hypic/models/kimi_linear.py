@@ -25,20 +25,24 @@ class KimiRouter(nn.Module):
 
 
 class KimiMoe(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    """DeepSeek-V3 routing (sigmoid scores, grouped top-k with a correction bias) over SwiGLU experts, plus shared
+    experts; `limit`: every SwiGLU's inputs clamped (GLM-5 Next)."""
+
+    def __init__(self, cfg: ModelConfig, ops, limit: float | None = None):
         super().__init__()
         p = self.p = cfg.params
-        self.ops = ops
+        self.ops, self.limit = ops, limit
         self.gate = KimiRouter(cfg)
         self.experts = Experts(cfg)
-        self.shared_experts = MLP(cfg.hidden_size, p.moe_intermediate_size * p.num_shared_experts)
+        self.shared_experts = MLP(cfg.hidden_size, p.moe_intermediate_size * p.num_shared_experts, limit=limit)
 
     def forward(self, x):
         p = self.p
         w, e = self.ops.route_grouped_sigmoid(x, self.gate.weight, self.gate.e_score_correction_bias,
                                               p.num_experts_per_tok, p.n_group, p.topk_group, p.norm_topk_prob,
                                               p.routed_scaling_factor)
-        return self.ops.experts_forward(x, w, e, self.experts.gate_up_proj, self.experts.down_proj) + self.shared_experts(x)
+        y = self.ops.experts_forward(x, w, e, self.experts.gate_up_proj, self.experts.down_proj, self.limit)
+        return y + self.shared_experts(x)
 
 
 class DecoderLayer(nn.Module):

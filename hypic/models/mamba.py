@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers.mamba1 import Mamba1Mixer
+from ..layers.mamba1 import Mamba1Mixer, s4d_dummy_init
 from ..layers.mamba2 import Mamba2Mixer, mamba2_dummy_init
 from ..layers.norm import ScaledRMSNorm
 from ..runtime.batch import ForwardBatch
@@ -40,10 +40,4 @@ class MambaForCausalLM(CausalLM):
     def dummy_init(self, name, p, generator) -> bool:
         if self.config.arch == "mamba2":
             return mamba2_dummy_init(name, p, generator)
-        if name.endswith("A_log"):                       # S4D-real: A[d, n] = n + 1
-            p.copy_(torch.arange(1, p.shape[-1] + 1, dtype=p.dtype, device=p.device).log().expand_as(p))
-        elif name.endswith(".D"):
-            p.fill_(1.0)
-        else:
-            return False
-        return True
+        return s4d_dummy_init(name, p)
