@@ -640,3 +640,41 @@ def test_mamba2_two_groups_match_transformers(tmp_path):
     llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
     _check_full(model, llm)
     _pic_checks(llm)
+
+
+# -- Sliding windows drop the keys they no longer see --------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["recurrent_gemma", "lara_mini", "lfm3"])
+def test_sliding_window_layers_drop_keys_they_no_longer_see(hf_checkpoints, arch, monkeypatch):
+    """A windowed layer's buffer keeps the keys of its last `window` positions (plus up to EVICT_EVERY not yet
+    dropped): checking after every key, the buffers stay within the window while the full layers keep every key, and
+    tokens and logits equal those with nothing dropped, in full, prefix and pic modes, prefill and decode."""
+    import hypic.layers.attention as attention
+
+    path = str(hf_checkpoints[arch][1])
+    p = Prompt(prefix=rand_ids(20, 1), segments=[rand_ids(n, 5 + n) for n in (60, 45)], query=rand_ids(6, 2))
+    sp = SamplingParams(max_tokens=5, return_logits=True, ignore_eos=True)
+    want = {}
+    llm = LLM(path)
+    for mode in ("full", "prefix", "pic"):
+        llm.set_policy(mode, 8)
+        llm.clear_cache()
+        want[mode] = llm.generate([p], sp)[0]
+    seen = []
+    evict = attention.AttentionMixer.evict
+
+    def recording(self, batch):
+        evict(self, batch)
+        seen.extend((self.window, s.state.layers[self.layer_idx].n) for s in batch.seqs)
+
+    monkeypatch.setattr(attention, "EVICT_EVERY", 1)
+    monkeypatch.setattr(attention.AttentionMixer, "evict", recording)
+    llm = LLM(path)
+    for mode in ("full", "prefix", "pic"):
+        llm.set_policy(mode, 8)
+        llm.clear_cache()
+        for _ in range(2):                          # cold, then from the caches
+            got = llm.generate([p], sp)[0]
+            assert got.token_ids == want[mode].token_ids
+            torch.testing.assert_close(got.logits, want[mode].logits, atol=1e-5, rtol=0)
+    window = seen[0][0]
+    assert seen and all(w == window for w, _ in seen) and max(n for _, n in seen) <= window

@@ -22,6 +22,9 @@ from .norm import RMSNorm, ScaledRMSNorm
 
 
 
+EVICT_EVERY = 256          # a sliding-window layer drops the keys it no longer sees once this many were appended
+
+
 class AttentionMixer(nn.Module):
     num_kv_heads: int
     key_dim: int
@@ -67,8 +70,22 @@ class AttentionMixer(nn.Module):
     # -- state ---------------------------------------------------------------------------------------
     def state_bytes(self, tokens: int, elem: int) -> int:
         """Bytes of a request's state in this layer after `tokens` tokens: keys and values (elem bytes per number)
-        and an int64 position per token (KVBuffer)."""
+        and an int64 position per token (KVBuffer); a sliding window holds at most window + EVICT_EVERY of them."""
+        if self.window:
+            tokens = min(tokens, self.window + EVICT_EVERY)
         return tokens * (self.num_kv_heads * (self.key_dim + self.value_dim) * elem + 8)
+
+    def evict(self, batch: ForwardBatch) -> None:
+        """Sliding window: after a forward, each sequence's keys that no later query sees (every position before the
+        next query's window) leave its buffer; checked once every EVICT_EVERY appended keys (one host
+        read of the positions), so a request holds about window + EVICT_EVERY keys per windowed layer, not all."""
+        for seq in batch.seqs:
+            buf = seq.state.layers.get(self.layer_idx)
+            if buf is None or buf.unchecked < EVICT_EVERY or not buf.n:
+                continue
+            buf.unchecked = 0
+            # the next query (one past the newest key) sees positions newest + 2 - window on
+            buf.drop_before(int(buf.pos[: buf.n].max()) - self.window + 2)
 
     def new_state(self, device, dtype, capacity: int) -> KVBuffer:
         return KVBuffer(self.num_kv_heads, self.key_dim, self.value_dim, dtype=dtype, device=device, capacity=capacity,
@@ -205,6 +222,8 @@ class AttentionMixer(nn.Module):
             if out is None:
                 out = o.new_empty((n,) + tuple(o.shape[1:]))
             out[sl] = o
+        if self.window:
+            self.evict(batch)
         if out is None:                                   # no active tokens
             return self.no_tokens(x)
         return self.output(x, out, extra)

@@ -59,6 +59,7 @@ class KVBuffer:
         self.v = torch.empty(capacity, num_kv_heads, value_dim, dtype=dtype, device=device)
         self.pos = torch.empty(capacity, dtype=torch.long, device=device)
         self.n = 0
+        self.unchecked = 0             # keys appended since a sliding window last dropped the ones it no longer sees
 
     def reserve(self, extra: int) -> None:
         need = self.n + extra
@@ -78,6 +79,22 @@ class KVBuffer:
         self.v[self.n : self.n + m] = v
         self.pos[self.n : self.n + m] = pos
         self.n += m
+        self.unchecked += m
+
+    def drop_before(self, lo: int) -> int:
+        """Removes the keys at positions below lo (those a sliding window no longer lets any later query see),
+        keeping the others in their order; returns how many went."""
+        n = self.n
+        keep = self.pos[:n] >= lo
+        idx = keep.nonzero()[:, 0]
+        m = idx.shape[0]
+        if m == n:
+            return 0
+        self.k[:m] = self.k[idx]
+        self.v[:m] = self.v[idx]
+        self.pos[:m] = self.pos[idx]
+        self.n = m
+        return n - m
 
     def view(self):
         return self.k[: self.n], self.v[: self.n], self.pos[: self.n]
