@@ -539,12 +539,14 @@ def test_qwen4_exp_with_ple_is_refused():
         ModelConfig.from_dict(dict(preset_config("tiny-qwen4-exp"), ple_layer_ids=[1], eos_token_id=256))
 
 
-def test_qwen4_exp_attends_in_query_slices_alike():
+@pytest.mark.parametrize("preset", ["tiny-qwen4-exp", "tiny-glm5-next"])
+def test_indexed_attention_in_query_slices_and_chunked_prefill_alike(preset):
     """An indexed layer attends for a bounded number of [query, key] mask elements at a time: slices of a few queries
-    give the prefill's and the decode's logits of one slice (equal up to summation order)."""
+    give the prefill's and the decode's logits of one slice (equal up to summation order); so does a prefill in
+    forwards of at most 16 tokens (the selection then reads the keys of earlier forwards from the buffer)."""
     import hypic.layers.indexed as indexed
 
-    llm = LLM("tiny-qwen4-exp", cache_mode="pic", seam=4)
+    llm = LLM(preset, cache_mode="pic", seam=4)
     p = Prompt(prefix=rand_ids(9, 1), segments=[rand_ids(n, 2 + n) for n in (30, 41)], query=rand_ids(5, 3))
     sp = SamplingParams(max_tokens=4, return_logits=True, ignore_eos=True)
     want = llm.generate([p], sp)[0]
@@ -556,6 +558,13 @@ def test_qwen4_exp_attends_in_query_slices_alike():
         indexed.MASK_ELEMENTS = old
     assert got.token_ids == want.token_ids
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+    chunked = LLM(preset, cache_mode="pic", seam=4, prefill_chunk_tokens=16)
+    for mode in ("full", "pic"):
+        llm.set_policy(mode, 4)
+        chunked.set_policy(mode, 4)
+        a, b = llm.generate([p], sp)[0], chunked.generate([p], sp)[0]
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=0)
 
 
 # -- GLM-5 Next ---------------------------------------------------------------------------------------------------------
@@ -647,7 +656,8 @@ def test_mamba2_two_groups_match_transformers(tmp_path):
 def test_sliding_window_layers_drop_keys_they_no_longer_see(hf_checkpoints, arch, monkeypatch):
     """A windowed layer's buffer keeps the keys of its last `window` positions (plus up to EVICT_EVERY not yet
     dropped): checking after every key, the buffers stay within the window while the full layers keep every key, and
-    tokens and logits equal those with nothing dropped, in full, prefix and pic modes, prefill and decode."""
+    tokens and logits equal those with nothing dropped, in full, prefix and pic modes, prefill (in one forward, or in
+    forwards of at most 32 tokens) and decode."""
     import hypic.layers.attention as attention
 
     if arch not in hf_checkpoints:
@@ -670,13 +680,13 @@ def test_sliding_window_layers_drop_keys_they_no_longer_see(hf_checkpoints, arch
 
     monkeypatch.setattr(attention, "EVICT_EVERY", 1)
     monkeypatch.setattr(attention.AttentionMixer, "evict", recording)
-    llm = LLM(path)
-    for mode in ("full", "prefix", "pic"):
-        llm.set_policy(mode, 8)
-        llm.clear_cache()
-        for _ in range(2):                          # cold, then from the caches
-            got = llm.generate([p], sp)[0]
-            assert got.token_ids == want[mode].token_ids
-            torch.testing.assert_close(got.logits, want[mode].logits, atol=1e-5, rtol=0)
+    for llm in (LLM(path), LLM(path, prefill_chunk_tokens=32)):    # also a prefill in forwards of <= 32 tokens
+        for mode in ("full", "prefix", "pic"):
+            llm.set_policy(mode, 8)
+            llm.clear_cache()
+            for _ in range(2):                      # cold, then from the caches
+                got = llm.generate([p], sp)[0]
+                assert got.token_ids == want[mode].token_ids
+                torch.testing.assert_close(got.logits, want[mode].logits, atol=1e-5, rtol=0)
     window = seen[0][0]
     assert seen and all(w == window for w, _ in seen) and max(n for _, n in seen) <= window
