@@ -1190,10 +1190,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 _TEXT_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text",
                     "glm5_next": "glm5_next_text"}
-# Recurrent architectures transformers ships that hypic does not serve, and why (also in README).
+# Recurrent and sparse-attention architectures transformers ships that hypic does not serve, and why (also in README).
 UNSUPPORTED: dict[str, str] = {
     "rwkv": "RWKV-4's WKV recurrence, a pure RNN with no attention layer: not implemented",
     "xlstm": "xLSTM: its sLSTM cells are not affine in their state, so no exact composition",
+    "zaya": "ZAYA's convolutional attention (q/k through a causal conv, delayed values): not implemented",
+    "deepseek_v4": "DeepSeek-V4's indexer-selected sparse attention in a model with no linear layer: not implemented",
+    "minimax_m3_vl": "MiniMax-M3's indexer-selected sparse attention: not implemented",
 }
 
 
