@@ -4,8 +4,8 @@ query sees (the default) against keeping every key, side by side in one run; tok
     python benchmarks/window_memory.py [--models tiny-recurrent-gemma,tiny-lara-mini] [--tokens 16384] [--decode 64]
 
 One `full`-mode request of --tokens random prompt tokens decoding --decode more; after every forward the request's
-attention buffers are read (keys held, bytes of keys, values and positions), and the table gives the largest total
-seen, per kind of layer, and the request's wall time. Prints a table and writes JSON (--out).
+attention buffers are read (keys held, bytes of keys, values and positions, and the bytes their storage takes), and
+the table gives the largest total seen, per kind of layer, and the request's wall time. Prints a table and writes JSON (--out).
 """
 
 from __future__ import annotations
@@ -28,17 +28,19 @@ def one(model: str, tokens: int, decode: int, evict: bool) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(llm.model_config.vocab_size, 256), (tokens,), generator=g).tolist()
     mixers = llm.engine.model.mixers
-    peak = {"windowed_keys": 0, "full_keys": 0, "bytes": 0}
+    peak = {"windowed_keys": 0, "full_keys": 0, "bytes": 0, "allocated": 0}
     real = llm.engine.model.forward
 
     def counted(batch):
         out = real(batch)
-        kinds = {"windowed_keys": 0, "full_keys": 0, "bytes": 0}
+        kinds = {"windowed_keys": 0, "full_keys": 0, "bytes": 0, "allocated": 0}
         for seq in batch.seqs:
             for i, st in seq.state.layers.items():
                 if isinstance(st, KVBuffer):
                     kinds["windowed_keys" if getattr(mixers[i], "window", 0) else "full_keys"] += st.n
-                    kinds["bytes"] += st.n * (st.k[0].nbytes + st.v[0].nbytes + 8)
+                    per = st.k[0].nbytes + st.v[0].nbytes + 8
+                    kinds["bytes"] += st.n * per
+                    kinds["allocated"] += st.k.shape[0] * per          # the buffers' storage, held or not
         for k, v in kinds.items():
             peak[k] = max(peak[k], v)
         return out
@@ -63,14 +65,15 @@ def main() -> None:
 
     rows = []
     print(f"{a.tokens}-token prompt, {a.decode} decoded tokens, full mode; largest state seen after a forward")
-    print(f"{'model':24s} {'drop':>5s} {'windowed keys':>14s} {'full keys':>10s} {'KV MiB':>8s} {'wall s':>7s}")
+    print(f"{'model':24s} {'drop':>5s} {'windowed keys':>14s} {'full keys':>10s} {'KV MiB':>8s} {'alloc MiB':>9s} "
+          f"{'wall s':>7s}")
     for model in a.models.split(","):
         pair = [one(model, a.tokens, a.decode, evict) for evict in (False, True)]
         same = pair[0]["tokens"] == pair[1]["tokens"] and torch.allclose(
             torch.tensor(pair[0]["logits"]), torch.tensor(pair[1]["logits"]), atol=1e-5, rtol=0)
         for r in pair:
             print(f"{model:24s} {'yes' if r['evict'] else 'no':>5s} {r['windowed_keys']:>14d} {r['full_keys']:>10d} "
-                  f"{r['bytes'] / 2**20:>8.1f} {r['wall_s']:>7.2f}")
+                  f"{r['bytes'] / 2**20:>8.1f} {r['allocated'] / 2**20:>9.1f} {r['wall_s']:>7.2f}")
             rows.append({k: v for k, v in r.items() if k not in ("tokens", "logits")} | {"same_output": same})
         if not same:
             raise SystemExit(f"{model}: dropping keys changed the output")

@@ -83,16 +83,23 @@ class KVBuffer:
 
     def drop_before(self, lo: int) -> int:
         """Removes the keys at positions below lo (those a sliding window no longer lets any later query see),
-        keeping the others in their order; returns how many went."""
+        keeping the others in their order, and gives back the storage beyond twice what is left (a long prefill's
+        buffer shrinks to the window's size); returns how many went."""
         n = self.n
         keep = self.pos[:n] >= lo
         idx = keep.nonzero()[:, 0]
         m = idx.shape[0]
         if m == n:
             return 0
-        self.k[:m] = self.k[idx]
-        self.v[:m] = self.v[idx]
-        self.pos[:m] = self.pos[idx]
+        cap = max(2 * m, 64)
+        if self.k.shape[0] > cap:                     # new, smaller tensors: the old storage is released
+            for name in ("k", "v", "pos"):
+                old = getattr(self, name)
+                setattr(self, name, torch.cat([old[idx], old.new_empty((cap - m,) + tuple(old.shape[1:]))]))
+        else:
+            self.k[:m] = self.k[idx]
+            self.v[:m] = self.v[idx]
+            self.pos[:m] = self.pos[idx]
         self.n = m
         return n - m
 
