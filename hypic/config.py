@@ -980,7 +980,7 @@ class Qwen4ExpParams:
     whose keys an indexer selects (QSA: per query, the top `indexer_budget / indexer_compress_ratio` blocks of
     `indexer_compress_ratio` consecutive tokens by a pooled-key score, plus the incomplete last block); hc_count
     residual streams mixed per token (hyper-connections) around every block; a softmax top-k MoE with a gated shared
-    expert after every layer."""
+    expert after every layer; optionally per-layer n-gram embeddings (PLE) on some linear layers."""
 
     num_attention_heads: int
     num_key_value_heads: int
@@ -1005,14 +1005,19 @@ class Qwen4ExpParams:
     indexer_head_dim: int
     indexer_budget: int
     indexer_compress_ratio: int
+    ple_layers: tuple[int, ...] = ()   # per-layer n-gram embeddings on these layers (0-indexed; linear layers)
+    ple_embed_dim: int = 0
+    ple_conv_kernel_size: int = 0
+    ngram_size: int = 0
+    heads_per_ngram: int = 0
+    ngram_vocab_size_base: int = 0
+    make_ngram_vocab_size_divisible_by: int = 1
+    seed: int = 0
+    ple_eos: int = 0
 
 
 def _parse_qwen4_exp(hf):
     g = lambda name, default=None: getattr(hf, name, default)  # noqa: E731
-    if g("ple_layer_ids"):
-        raise UnsupportedArchitectureError(
-            "qwen4_exp with per-layer n-gram embeddings (ple_layer_ids) is not supported: they hash the previous "
-            "tokens across segment boundaries")
     fields = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
     missing = [f for f in fields if not g(f)]
     if missing:
@@ -1033,6 +1038,16 @@ def _parse_qwen4_exp(hf):
         hc_count=hf.hc_count, hc_lowrank=hf.hc_lowrank, indexer_n_heads=hf.indexer_n_heads,
         indexer_head_dim=hf.indexer_head_dim, indexer_budget=hf.indexer_budget,
         indexer_compress_ratio=hf.indexer_compress_ratio)
+    if g("ple_layer_ids"):
+        eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, (list, tuple)) else hf.eos_token_id
+        if eos is None or not 0 <= eos < (1 << 24) or hf.vocab_size > (1 << 24):
+            raise ConfigError("qwen4_exp with per-layer n-gram embeddings needs an eos_token_id and ids below 2^24")
+        params = dataclasses.replace(
+            params, ple_layers=tuple(i - 1 for i in hf.ple_layer_ids), ple_embed_dim=int(hf.ple_embed_dim),
+            ple_conv_kernel_size=int(hf.ple_conv_kernel_size), ngram_size=int(hf.ngram_size),
+            heads_per_ngram=int(hf.heads_per_ngram), ngram_vocab_size_base=int(hf.ngram_vocab_size_base),
+            make_ngram_vocab_size_divisible_by=int(hf.make_ngram_vocab_size_divisible_by), seed=int(hf.seed),
+            ple_eos=int(eos))
     return tuple(FULL if t in _INDEXED else t for t in hf.layer_types), params
 
 

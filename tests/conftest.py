@@ -110,6 +110,8 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.empty_like(p).uniform_(-2.0, 0.0))
             elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif arch == "qwen4_exp" and name.endswith("ple.conv1d.weight"):
+                p.copy_(torch.randn_like(p) * 0.5)      # the n-gram embeddings' dilated conv: zero at init
             elif name.endswith(("conv1d.weight", "conv.conv.weight")):
                 p.mul_(3.0)
             elif name.endswith((".mixer.D", ".mamba.D")):   # Mamba's skip: small, so the state path shows

@@ -530,13 +530,51 @@ def test_qwen4_exp_selection_is_sparse_and_follows_positions():
     assert torch.equal(sliced, allowed)
 
 
-def test_qwen4_exp_with_ple_is_refused():
-    from hypic.config import ModelConfig
-    from hypic.errors import UnsupportedArchitectureError
-    from hypic.models.presets import preset_config
+QWEN4_PLE = dict(ple_layer_ids=[1, 4], ple_embed_dim=32, ple_conv_kernel_size=4, ngram_size=3, heads_per_ngram=2,
+                 ngram_vocab_size_base=1000, make_ngram_vocab_size_divisible_by=128)
 
-    with pytest.raises(UnsupportedArchitectureError, match="ple_layer_ids"):
-        ModelConfig.from_dict(dict(preset_config("tiny-qwen4-exp"), ple_layer_ids=[1], eos_token_id=256))
+
+def test_qwen4_exp_ple_matches_transformers_across_eos(tmp_path):
+    """Per-layer n-gram embeddings on layers 0 and 3 (small tables): with EOS tokens inside the prompt (the n-gram
+    history resets after each) every position's log-probabilities equal transformers' (1e-4), and so do greedy
+    decode steps; PIC with a seam covering every segment equals full recomputation (the history crosses segment
+    boundaries through the cached conv tails), a hit equals a miss after the segments moved, and `prefix` equals
+    `full`. The saved table shards are joined, and hashing buffers that differ from the config's are refused."""
+    from safetensors.torch import load_file, save_file
+
+    from hypic.errors import WeightsError
+
+    model = hf_model("qwen4_exp", seed=6, **QWEN4_PLE)
+    assert model.config.ple_layer_ids == [1, 4]
+    llm = _engine(model, tmp_path / "a", cache_mode="full")
+    eos = 256
+    ids = rand_ids(70, 9)
+    for i in (20, 41, 42, 69):
+        ids[i] = eos
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    lp = llm.score(Prompt(query=ids[:10]), ids[10:])
+    assert max(abs(a - float(ref[i - 1, ids[i]])) for a, i in zip(lp, range(10, 70))) <= ATOL
+    _check_full(model, llm)
+    p = Prompt(prefix=rand_ids(5, 1), segments=[ids[:30], ids[30:55], rand_ids(12, 3)], query=ids[55:])
+    full = llm.next_token_logits(p)
+    llm.set_policy("pic", 40)
+    torch.testing.assert_close(llm.next_token_logits(p), full, atol=ATOL, rtol=0)
+    llm.set_policy("prefix")
+    for _ in range(2):                                      # cold, then from the prefix cache
+        torch.testing.assert_close(llm.next_token_logits(p), full, atol=ATOL, rtol=0)
+    _pic_checks(llm)
+    sd = load_file(str(next((tmp_path / "a").glob("*.safetensors"))))
+    assert any(".ngram_embedding.shard_" in k for k in sd)
+    bad = dict(sd)
+    key = "model.layers.0.ple.ple_embedding.layer_multipliers"
+    bad[key] = bad[key] + 2
+    (tmp_path / "b").mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "b" / f).write_bytes((tmp_path / "a" / f).read_bytes())
+    save_file(bad, str(tmp_path / "b" / "model.safetensors"))
+    with pytest.raises(WeightsError, match="hashing tables"):
+        LLM(str(tmp_path / "b"))
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen4-exp", "tiny-glm5-next"])
@@ -597,7 +635,7 @@ def test_glm5_next_released_layout_loads(tmp_path):
     tensors, q/k/v convs and forget-gate tensors under `self_attn`, experts one by one) plus an MTP layer and a
     `shared_head` tensor as released checkpoints carry them: the engine drops what it does not serve and loads the
     rest; its logits equal those from the same weights without the extra tensors."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     model = hf_model("glm5_next", seed=2)
     llm = _engine(model, tmp_path / "a", cache_mode="full")
@@ -690,3 +728,30 @@ def test_sliding_window_layers_drop_keys_they_no_longer_see(hf_checkpoints, arch
                 torch.testing.assert_close(got.logits, want[mode].logits, atol=1e-5, rtol=0)
     window = seen[0][0]
     assert seen and all(w == window for w, _ in seen) and max(n for _, n in seen) <= window
+
+
+def test_qwen4_exp_token_history_is_exact_in_bf16(tmp_path, monkeypatch):
+    """The n-gram history travels as 8-bit digits of (id XOR EOS) through a bf16 conv window: the ids a PLE layer
+    reads are the request's previous tokens exactly (EOS before the first), in a bf16 engine too, over prefill and
+    decode."""
+    import hypic.models.qwen4_ple as ple
+
+    model = hf_model("qwen4_exp", seed=6, **QWEN4_PLE)
+    model.save_pretrained(tmp_path)
+    Tokenizer.builtin_bytes().hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), cache_mode="full", dtype="bfloat16")
+    seen = []
+    real = ple.PLE.ngram_ids
+
+    def record(self, ids, prev):
+        seen.append((ids.clone(), prev.clone()))
+        return real(self, ids, prev)
+
+    monkeypatch.setattr(ple.PLE, "ngram_ids", record)
+    ids = [319, 0, 256, 300] + rand_ids(30, 4)
+    out = llm.generate([Prompt(query=ids)], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    seq = [256, 256] + ids + out.token_ids
+    stream = torch.cat([i for i, _ in seen[::2]]).tolist()           # layer 0's calls: prefill, then each step
+    prevs = torch.cat([p for _, p in seen[::2]]).tolist()
+    assert stream == (ids + out.token_ids)[: len(stream)]
+    assert prevs == [[seq[t + 1], seq[t]] for t in range(len(stream))]

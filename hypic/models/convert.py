@@ -233,6 +233,38 @@ def lfm3(tensors: dict, cfg: ModelConfig) -> dict:
     return _common(_rename(tensors, [(r"\.self_attn\.gate_proj\.", ".self_attn.g_proj.")]), cfg)
 
 
+def qwen4_exp(tensors: dict, cfg: ModelConfig) -> dict:
+    """The PLE n-gram tables as saved (`ngram_embedding.shard_{k}.weight`, split along the rows) joined in shard
+    order; the hashing buffers (multipliers, head table sizes and offsets) checked against the ones the config gives
+    (models/qwen4_ple.py) and dropped (hypic derives them)."""
+    from ..errors import WeightsError
+    from .qwen4_ple import ngram_tables
+
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, t in _common(tensors, cfg).items():
+        m = re.match(r"^(.*\.ngram_embedding)\.shard_(\d+)\.weight$", name)
+        b = re.match(r"^model\.layers\.(\d+)\.ple\.ple_embedding\.(layer_multipliers|ngram_heads_vocab_sizes|"
+                     r"ngram_heads_offsets)$", name)
+        if m:
+            shards.setdefault(m.group(1), {})[int(m.group(2))] = t
+        elif b:
+            layer = int(b.group(1))
+            if layer not in cfg.params.ple_layers:
+                raise WeightsError(f"{name}: layer {layer} has no n-gram embedding in the config")
+            mults, sizes, offsets, _ = ngram_tables(cfg, cfg.params.ple_layers.index(layer))
+            want = {"layer_multipliers": mults, "ngram_heads_vocab_sizes": sizes, "ngram_heads_offsets": offsets}
+            if t.tolist() != want[b.group(2)]:
+                raise WeightsError(f"{name} differs from the hashing tables the config gives")
+        else:
+            out[name] = t
+    for prefix, parts in shards.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise WeightsError(f"{prefix}: shards {sorted(parts)[:5]}... are not 0..{len(parts) - 1}")
+        out[prefix + ".weight"] = torch.cat([parts[k] for k in range(len(parts))])
+    return out
+
+
 def glm5_next(tensors: dict, cfg: ModelConfig) -> dict:
     """The saved layout (transformers writes it back so): the hyper-connections' tensors as `hc_attn_*` / `hc_ffn_*`
     beside the layer's modules, the KDA forget gate's tensors directly under `self_attn`, q/k/v convs apart, experts

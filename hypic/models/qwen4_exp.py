@@ -3,7 +3,8 @@ reading the keys a QSA indexer selects (layers/indexed.py); a softmax top-k MoE 
 after every layer; no per-layer norms but `hc_count` residual streams (hyper-connections): before each block a
 `GatedResidual` normalises every stream, mixes them into the block's input by per-token weights and, after the block,
 adds its output into every stream with per-token injection weights; a last one (without injection) mixes the streams
-into the LM head's input (no final norm). Per-layer n-gram embeddings (PLE) are refused at load (config.py).
+into the LM head's input (no final norm). Per-layer n-gram embeddings (PLE) on the layers the config lists:
+models/qwen4_ple.py.
 Parameter names are transformers' (`attn_hyper_connection`, `mlp_hyper_connection`, `hyper_connection_mixer`)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..layers.indexed import IndexedAttention
 from ..layers.mlp import SparseMoe
 from ..runtime.batch import ForwardBatch
 from .base import Backbone, CausalLM, uniform
+from .qwen4_ple import PLE
 
 
 class GroupedRMSNorm(nn.Module):
@@ -66,21 +68,27 @@ class GatedResidual(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
+        p = cfg.params
         if cfg.layer_types[i] == LINEAR:
             self.linear_attn = GatedDeltaNet(cfg, i, ops)
         else:
             self.self_attn = IndexedAttention(cfg, i, ops, rotary)
         self.mlp = SparseMoe(cfg, ops)
+        if i in p.ple_layers:
+            self.ple = PLE(cfg, i, p.ple_layers.index(i), ops, GroupedRMSNorm)
         self.attn_hyper_connection = GatedResidual(cfg)
         self.mlp_hyper_connection = GatedResidual(cfg)
 
     @property
     def state_mixers(self):
+        ple = self.ple.mixers if hasattr(self, "ple") else ()
         if hasattr(self, "linear_attn"):
-            return (self.linear_attn,)
-        return (self.self_attn, self.self_attn.indexer)
+            return (self.linear_attn, *ple)
+        return (self.self_attn, self.self_attn.indexer, *ple)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if hasattr(self, "ple"):
+            h = h + self.ple(h, batch)
         m, inject = self.attn_hyper_connection(h)
         mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
         h = GatedResidual.add(h, mixer(m, batch), inject)

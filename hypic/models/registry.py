@@ -31,7 +31,7 @@ _MODELS = {
     "zamba": ("hypic.models.zamba", "ZambaForCausalLM", "hypic.models.convert", "zamba"),
     "recurrent_gemma": ("hypic.models.recurrent_gemma", "RecurrentGemmaForCausalLM", "hypic.models.convert",
                         "recurrent_gemma"),
-    "qwen4_exp": ("hypic.models.qwen4_exp", "Qwen4ExpForCausalLM", "hypic.models.convert", "qwen3_5"),
+    "qwen4_exp": ("hypic.models.qwen4_exp", "Qwen4ExpForCausalLM", "hypic.models.convert", "qwen4_exp"),
     "glm5_next": ("hypic.models.glm5_next", "Glm5NextForCausalLM", "hypic.models.convert", "glm5_next"),
     "mamba": ("hypic.models.mamba", "MambaForCausalLM", "hypic.models.convert", "nemotron_h"),
     "falcon_mamba": ("hypic.models.mamba", "MambaForCausalLM", "hypic.models.convert", "nemotron_h"),
