@@ -728,6 +728,15 @@ def test_sliding_window_layers_drop_keys_they_no_longer_see(hf_checkpoints, arch
                 torch.testing.assert_close(got.logits, want[mode].logits, atol=1e-5, rtol=0)
     window = seen[0][0]
     assert seen and all(w == window for w, _ in seen) and max(n for _, n in seen) <= window
+    # several requests of different lengths batched together (prefill and decode steps): each its own buffer
+    batch = [p, Prompt(segments=[rand_ids(33, 70)], query=rand_ids(4, 71)), Prompt(query=rand_ids(50, 72))]
+    llm = LLM(path)
+    got = llm.generate(batch, sp)
+    monkeypatch.setattr(attention, "EVICT_EVERY", 1 << 62)              # nothing dropped
+    ref = LLM(path).generate(batch, sp)
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=0)
 
 
 def test_qwen4_exp_token_history_is_exact_in_bf16(tmp_path, monkeypatch):
