@@ -31,7 +31,7 @@ from ..config import ModelConfig
 from ..runtime.batch import ForwardBatch
 from .attention import AttentionMixer, GatedAttention
 from .mla import MultiHeadLatentAttention
-from .norm import RMSNorm, ScaledRMSNorm
+from .norm import RMSNorm
 
 
 SCORE_BYTES = 64 << 20         # the selection's per-head scores are made for this many bytes of queries at a time
@@ -226,15 +226,5 @@ class IndexedLatentAttention(_IndexedForward, MultiHeadLatentAttention):
     indexer selects; the indexer's queries come from the query latent (`project`'s extra)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
-        super().__init__(cfg, layer_idx, ops, None)
-        self.q_a_layernorm = ScaledRMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
-        self.kv_a_layernorm = ScaledRMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
+        super().__init__(cfg, layer_idx, ops, None, norm_eps=cfg.rms_norm_eps)
         self.indexer = PooledIndexerKeys(cfg, cfg.num_layers + layer_idx, ops)
-
-    def project(self, x, batch):
-        n = x.shape[0]
-        latent = self.q_a_layernorm(self.q_a_proj(x))
-        c = self.kv_a_proj_with_mqa(x)[:, : self.kv_lora_rank]
-        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(n, self.nh, self.nope + self.vd)
-        k, v = kv.split([self.nope, self.vd], dim=-1)
-        return self.q_b_proj(latent).view(n, self.nh, self.key_dim), k, v, latent

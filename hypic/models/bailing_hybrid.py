@@ -80,11 +80,8 @@ class BailingLatentAttention(MultiHeadLatentAttention):
 
     def project(self, x, batch):
         n = x.shape[0]
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rot = q.view(n, self.nh, self.key_dim).split([self.nope, self.rope], dim=-1)
-        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        k_nope, v = self.kv_b_proj(self.kv_a_layernorm(c)).view(n, self.nh, self.nope + self.vd).split(
-            [self.nope, self.vd], dim=-1)
+        q_nope, q_rot = self.query(x)[0].split([self.nope, self.rope], dim=-1)
+        k_nope, k_rot, v = self.keys_values(x)
         order = torch.tensor(self._order, device=x.device)
         q = torch.cat([q_rot.index_select(-1, order), q_nope], dim=-1)
         k = torch.cat([k_rot.index_select(-1, order)[:, None, :].expand(n, self.nh, self.rope), k_nope], dim=-1)
