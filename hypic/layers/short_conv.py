@@ -16,10 +16,23 @@ from ..config import ModelConfig
 from .linear import LinearMixer
 
 
-class ShortConv(LinearMixer):
+class ConvOnlyMixer(LinearMixer):
+    """A mixer whose whole context is its conv window: no recurrent state (T and S zero-size), the conv's output is
+    the kernel's. A subclass writes features (its "raw" conv input), output and its conv weights."""
+
     form = Form.SCALAR
     conv_activation = None
 
+    @property
+    def state_shape(self):
+        return 0, 1, 1                                              # no recurrent state
+
+    def kernel(self, f, conv_out, idx, init, cu, summarize):
+        ts = [Transition(Form.SCALAR, init.new_zeros(0)) for _ in range(len(cu) - 1)] if summarize else None
+        return conv_out, init, ts
+
+
+class ShortConv(ConvOnlyMixer):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
         super().__init__(layer_idx, ops)
         p, hs = cfg.params, cfg.hidden_size
@@ -31,10 +44,6 @@ class ShortConv(LinearMixer):
         self.out_proj = nn.Linear(hs, hs, bias=p.conv_bias)
 
     @property
-    def state_shape(self):
-        return 0, 1, 1                                              # no recurrent state
-
-    @property
     def conv_dim(self) -> int:
         return self.hidden
 
@@ -44,10 +53,6 @@ class ShortConv(LinearMixer):
     def features(self, x, batch):
         b, c, xx = self.in_proj(x).chunk(3, dim=-1)
         return {"raw": b * xx, "C": c}
-
-    def kernel(self, f, conv_out, idx, init, cu, summarize):
-        ts = [Transition(Form.SCALAR, init.new_zeros(0)) for _ in range(len(cu) - 1)] if summarize else None
-        return conv_out, init, ts
 
     def output(self, x, o, f):
         return self.out_proj(f["C"] * o.to(x.dtype))

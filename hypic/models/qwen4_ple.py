@@ -7,7 +7,7 @@ stream and a value, each stream's normed state gates the value (sign-preserving 
 product, sigmoid), and a dilated causal conv (kernel K, dilation ngram_size) over the normed gated values adds local
 context: out = gv + silu(conv(norm_conv(gv))).
 
-Two things reach across tokens, and each is a `LinearMixer` with an empty recurrent state (like LFM2's short conv),
+Two things reach across tokens, and each is a `ConvOnlyMixer` (no recurrent state, as LFM2's short conv),
 whose conv window is what the engine caches, hands on and composes:
 - `TokenHistory`: the previous ngram_size - 1 token ids. Its conv inputs are the token ids, XOR-ed with EOS (so the
   zero window a sequence starts with reads as EOS) and cut into 8-bit digits (integers up to 256 are exact in bf16),
@@ -24,9 +24,8 @@ import math
 import torch
 from torch import nn
 
-from ..compose.transition import Form, Transition
 from ..config import ModelConfig
-from ..layers.linear import LinearMixer
+from ..layers.short_conv import ConvOnlyMixer
 
 DIGITS, DIGIT_BITS = 3, 8                       # token ids below 2^24
 
@@ -68,22 +67,7 @@ def ngram_tables(cfg: ModelConfig, ple_index: int):
     return mults, sizes, offsets, rows
 
 
-class _EmptyState(LinearMixer):
-    """A conv-only mixer: no recurrent state, the conv window is its whole context."""
-
-    form = Form.SCALAR
-    conv_activation = None
-
-    @property
-    def state_shape(self):
-        return 0, 1, 1
-
-    def kernel(self, f, conv_out, idx, init, cu, summarize):
-        ts = [Transition(Form.SCALAR, init.new_zeros(0)) for _ in range(len(cu) - 1)] if summarize else None
-        return conv_out, init, ts
-
-
-class TokenHistory(_EmptyState):
+class TokenHistory(ConvOnlyMixer):
     """The previous `ngram_size - 1` token ids of every token (forward(ids as a float column, batch) -> [N, lags] int64
     ids), through a conv window of their digits."""
 
@@ -121,7 +105,7 @@ def _shift_weights(lags: int, width: int, device, dtype):
     return w
 
 
-class PLEConv(_EmptyState):
+class PLEConv(ConvOnlyMixer):
     """The dilated causal conv over the normed gated values (forward(cat([normed, gv]), batch) -> gv + silu(conv)).
     `conv1d` is the PLE layer's module (named there, as the checkpoint names it)."""
 
