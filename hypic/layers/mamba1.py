@@ -22,7 +22,7 @@ from torch import nn
 from ..compose.transition import Form, log_decay_transitions
 from ..config import ModelConfig
 from .linear import LinearMixer
-from .norm import ScaledRMSNorm
+from .norm import ScaledRMSNorm, UnweightedRMSNorm
 
 
 def s4d_dummy_init(name: str, p: torch.Tensor) -> bool:
@@ -35,18 +35,6 @@ def s4d_dummy_init(name: str, p: torch.Tensor) -> bool:
     else:
         return False
     return True
-
-
-class UnweightedRMSNorm(nn.Module):
-    """x / rms(x) in fp32, cast back (FalconMamba's dt / B / C norms: no parameter)."""
-
-    def __init__(self, eps: float):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class _S6(LinearMixer):

@@ -79,6 +79,18 @@ class RMSNormGated(nn.Module):
         return (y * act(gate.float())).to(dtype)
 
 
+class UnweightedRMSNorm(nn.Module):
+    """x / rms(x) in fp32, cast back to x's dtype; no parameter (FalconMamba's dt / B / C norms, GLM-5 Next's
+    hyper-connection input)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _normed(x, self.eps).to(x.dtype)
+
+
 class ScaledRMSNorm(nn.Module):
     """Plain RMSNorm: w * (x / rms(x)), the normalised x cast back to x's dtype before the scale
     (Llama / Kimi / MiniMax / Nemotron-H convention)."""

@@ -17,7 +17,7 @@ from ..config import FULL, ModelConfig
 from ..layers.indexed import IndexedLatentAttention
 from ..layers.kda import ForgetGate, KimiDeltaAttention
 from ..layers.mlp import MLP
-from ..layers.norm import ScaledRMSNorm
+from ..layers.norm import ScaledRMSNorm, UnweightedRMSNorm
 from ..runtime.batch import ForwardBatch
 from .base import Backbone, CausalLM, uniform
 from .kimi_linear import KimiMoe
@@ -54,15 +54,14 @@ class HyperConnection(nn.Module):
         super().__init__()
         p = cfg.params
         self.n, self.hidden, self.eps, self.iters = p.hc_mult, cfg.hidden_size, p.hc_eps, p.hc_sinkhorn_iters
-        self.norm_eps = cfg.rms_norm_eps
+        self.input_norm = UnweightedRMSNorm(cfg.rms_norm_eps)
         self.fn = nn.Parameter(torch.zeros((2 + self.n) * self.n, self.n * self.hidden))
         self.base = nn.Parameter(torch.zeros((2 + self.n) * self.n))
         self.scale = nn.Parameter(torch.ones(3))
 
     def forward(self, h):
         n, eps = self.n, self.eps
-        f = h.float()
-        f = F.linear(f * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.norm_eps), self.fn.float())
+        f = F.linear(self.input_norm(h.float()), self.fn.float())
         pre_w, post_w, comb_w = f.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
