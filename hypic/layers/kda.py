@@ -18,6 +18,16 @@ from .linear import LinearMixer, dense_summary_kernel
 from .norm import SigmoidGatedRMSNorm
 
 
+def head_rate_log_decay(f: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Log decay from a gate input f [N, H, K] (fp32) with one rate exp(A_log) per head (A_log [H]):
+    lower_bound * sigmoid(rate * f) (the bounded "safe" gate of Ling 3.0 and GLM-5 Next), or without a bound
+    -rate * softplus(f)."""
+    rate = a_log.float().exp()[:, None]
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * f)
+    return -rate * F.softplus(f)
+
+
 class ForgetGate(nn.Module):
     def __init__(self, hidden: int, heads: int, head_dim: int):
         super().__init__()
@@ -30,7 +40,7 @@ class ForgetGate(nn.Module):
     def forward(self, x):
         """-> log decay g [N, H, K] fp32: -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)."""
         g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
-        return -self.A_log.float().exp()[0] * F.softplus(g)
+        return head_rate_log_decay(g, self.A_log.view(-1), None)
 
 
 class KimiDeltaAttention(LinearMixer):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers.kda import KimiDeltaAttention
+from ..layers.kda import KimiDeltaAttention, head_rate_log_decay
 from ..layers.mla import MultiHeadLatentAttention
 from . import kimi_linear
 from .base import Backbone, CausalLM
@@ -39,10 +39,7 @@ class BailingForgetGate(nn.Module):
     def forward(self, x):
         """-> log decay g [N, H, K] fp32."""
         f = (self.f_proj(x).float() + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
-        rate = self.A_log.float().exp()[:, None]
-        if self.safe:
-            return self.lower_bound * torch.sigmoid(rate * f)
-        return -rate * torch.nn.functional.softplus(f)
+        return head_rate_log_decay(f, self.A_log, self.lower_bound if self.safe else None)
 
 
 class BailingDeltaAttention(KimiDeltaAttention):

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import FULL, ModelConfig
 from ..layers.indexed import IndexedLatentAttention
-from ..layers.kda import ForgetGate, KimiDeltaAttention
+from ..layers.kda import ForgetGate, KimiDeltaAttention, head_rate_log_decay
 from ..layers.mlp import MLP
 from ..layers.norm import ScaledRMSNorm, UnweightedRMSNorm
 from ..runtime.batch import ForwardBatch
@@ -34,10 +34,7 @@ class BoundedForgetGate(ForgetGate):
 
     def forward(self, x):
         g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
-        rate = self.A_log.float().exp()[:, None]
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * g)
-        return -rate * F.softplus(g)
+        return head_rate_log_decay(g, self.A_log, self.lower_bound)
 
 
 class GlmDeltaAttention(KimiDeltaAttention):
