@@ -339,7 +339,7 @@ def _diagonal_scan(chunked: bool, x, g, initial_state, output_final_state, cu_se
     order; fp32 in and out, so the state stays fp32), else the reference twin (the chunked one for prefill)."""
     kern = _fla_hgrn() if x.is_cuda and not needs_grad(x, g, initial_state) and "hgrn" not in FAILED else None
     if kern is not None:
-        cu = None if cu_seqlens is None else _cu_only(cu_seqlens, x.device)
+        cu = _cu(cu_seqlens, x.device)[0]
         init = None if initial_state is None else initial_state.float().contiguous()
         try:
             o, final = kern(x.float().contiguous(), g.float().contiguous(), initial_state=init,
@@ -350,14 +350,6 @@ def _diagonal_scan(chunked: bool, x, g, initial_state, output_final_state, cu_se
             return o.to(x.dtype), final
     fn = ref.chunk_diagonal_scan if chunked else ref.recurrent_diagonal_scan
     return fn(x, g, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-
-
-def _cu_only(cu_seqlens, device):
-    """cu_seqlens on the device (as given where it is there already; else one copy per layout, reused)."""
-    if cu_seqlens.device == device:
-        return cu_seqlens
-    cpu = cu_seqlens.cpu()
-    return _layout(("cu_only", tuple(cpu.tolist()), str(device)), lambda: cpu.to(device))
 
 
 def chunk_diagonal_scan(x, g, *, initial_state=None, output_final_state=False, cu_seqlens=None):
