@@ -75,8 +75,10 @@ class TokenHistory(ConvOnlyMixer):
         super().__init__(mixer_id, ops)
         self.lags, self.eos = lags, eos
         self.conv_width = lags + 1
-        # fixed shift kernels: a buffer (moved and cast with the model), not a checkpoint tensor
-        self.register_buffer("shift", _shift_weights(lags, self.conv_width, "cpu", torch.float32), persistent=False)
+        # fixed shift kernels: not a checkpoint tensor, nor a buffer (a meta build would leave it on meta); moved to
+        # the inputs' device and dtype at first use, as Rotary's tables are (0 and 1 are exact in any dtype)
+        with torch.device("cpu"):
+            self.shift = _shift_weights(lags, self.conv_width, "cpu", torch.float32)
 
     @property
     def conv_dim(self) -> int:
@@ -86,6 +88,8 @@ class TokenHistory(ConvOnlyMixer):
         return self.shift, None
 
     def features(self, x, batch):
+        if self.shift.device != x.device or self.shift.dtype != x.dtype:
+            self.shift = self.shift.to(x.device, x.dtype)
         ids = batch.input_ids.long() ^ self.eos                             # 0 reads as EOS (a zero window)
         digits = torch.stack([(ids >> (DIGIT_BITS * d)) & ((1 << DIGIT_BITS) - 1) for d in range(DIGITS)], -1)
         return {"raw": digits.repeat(1, self.lags).to(x.dtype)}           # one copy per lag
@@ -147,7 +151,9 @@ class PLE(nn.Module):
         width = self.n * self.hidden
         mults, sizes, offsets, rows = ngram_tables(cfg, ple_index)
         self.ngram, self.heads_per = p.ngram_size, p.heads_per_ngram
-        self.mults, self.sizes, self.offsets = mults, sizes, offsets
+        self.mults = mults
+        with torch.device("cpu"):                        # plain tensors, moved at first use (see TokenHistory.shift)
+            self.sizes, self.offsets = torch.tensor(sizes), torch.tensor(offsets)
         g = (p.ngram_size - 1) * p.heads_per_ngram
         self.ple_embedding = nn.Module()
         self.ple_embedding.ngram_embedding = nn.Embedding(rows, p.ple_embed_dim // g)
@@ -173,8 +179,9 @@ class PLE(nn.Module):
             shifted.append(torch.where(stop, torch.full_like(ids, eos), prev[:, j]))
             stop = stop | (prev[:, j] == eos)
         out = []
-        sizes = torch.tensor(self.sizes, device=ids.device)
-        offsets = torch.tensor(self.offsets, device=ids.device)
+        if self.sizes.device != ids.device:
+            self.sizes, self.offsets = self.sizes.to(ids.device), self.offsets.to(ids.device)
+        sizes, offsets = self.sizes, self.offsets
         for order in range(2, self.ngram + 1):
             mixed = shifted[0] * self.mults[0]
             for j in range(1, order):
