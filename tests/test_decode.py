@@ -25,6 +25,8 @@ def test_static_decode_equals_dynamic(hf_checkpoints, arch, mode):
     outs = {}
     for decode in ("dynamic", "static"):
         llm = LLM(str(path), cache_mode=mode, seam=4, decode=decode)
+        indexed = any(getattr(m, "planned_only", False) for m in llm.engine.model.mixers.values())
+        assert (llm.engine.decoder is None) == (decode == "dynamic" or indexed)   # windowed models: rings
         outs[decode] = llm.generate(_requests(3), SamplingParams(max_tokens=6, return_logits=True, ignore_eos=True))
     for a, b in zip(outs["dynamic"], outs["static"]):
         assert a.token_ids == b.token_ids
@@ -113,3 +115,71 @@ def test_rows_grow_while_decoding(hf_checkpoints):
     assert got.token_ids == ref.token_ids
     torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=0)
     assert dec.builds >= 2                       # grew at least once while decoding
+
+
+WINDOWED = ["lara_mini", "lfm3", "recurrent_gemma"]      # tiny presets with 12-position sliding windows
+
+
+@pytest.mark.parametrize("arch_w", WINDOWED)
+def test_sliding_window_rows_are_rings(hf_checkpoints, arch_w):
+    """A sliding-window layer decodes over a ring of min(capacity, window) slots (the key at position p in slot
+    p % C): the same tokens and logits as the dynamic step (which holds and masks every key), through
+    - a short prompt whose rows are first narrower than the window (the ring grows with the buffers, never
+      wrapping before), then a long decode that wraps it many times;
+    - requests joining and leaving between steps (rows reused, a long prompt forcing a rebuild that moves the
+      running rows through their states, ring order unrolled);
+    - a request leaving unfinished and continuing on the dynamic path from the state the ring wrote back."""
+    if arch_w not in hf_checkpoints:
+        pytest.skip(f"{arch_w}: transformers lacks its class")
+    from hypic import Prompt
+    from hypic.runtime.decode import StaticDecoder
+
+    path = hf_checkpoints[arch_w][1]
+    short = [Prompt(query=[5, 9, 17]), Prompt(segments=[[7, 8, 9, 10]], query=[11, 12])]
+    sp = SamplingParams(max_tokens=30, return_logits=True, ignore_eos=True)
+    ref = LLM(str(path), decode="dynamic").generate(short, sp)
+    llm = LLM(str(path), decode="static", seam=4)
+    dec = llm.engine.decoder
+    assert isinstance(dec, StaticDecoder)
+    dec.min_cap, dec.ahead = 4, 2                           # rows of 4 slots first: rings of 4, then 8, 12
+    got = llm.generate(short, sp)
+    for a, b in zip(ref, got):
+        assert b.token_ids == a.token_ids
+        torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+    assert dec.builds >= 3
+    windows = {l: m.window for l, m in llm.engine.model.mixers.items() if getattr(m, "window", 0)}
+    assert windows and all(dec.static.layers[l].ring and dec.static.layers[l].k.shape[2] == w
+                           for l, w in windows.items())
+    assert all(not dec.static.layers[l].ring for l in llm.engine.model.mixers if l not in windows
+               and hasattr(dec.static.layers[l], "ring"))
+
+    prompts, lens, joins = _requests(4), [3, 20, 9], [3, 0, 1]
+    ref = _drive(LLM(str(path), decode="dynamic"), prompts, lens, joins, steps=24)
+    llm = LLM(str(path), decode="static")
+    llm.engine.decoder.min_cap = 16
+    got = _drive(llm, prompts, lens, joins, steps=24)
+    for i in ref:
+        assert got[i][0] == ref[i][0]
+        torch.testing.assert_close(got[i][1], ref[i][1], atol=ATOL, rtol=0)
+    assert llm.engine.decoder.builds >= 2
+
+
+def test_ring_load_refuses_missing_positions():
+    """A window's ring is filled by position; a buffer that lacks a position the next query sees is refused with
+    the reason, not decoded over a stale slot."""
+    from hypic.runtime.state import KVBuffer, StaticKV
+
+    st = StaticKV.empty(1, 4, 1, 2, 2, dtype=torch.float32, device="cpu", ring=True)
+    buf = KVBuffer(1, 2, 2, dtype=torch.float32, device="cpu")
+    pos = torch.tensor([0, 1, 2, 3, 5, 6])                 # position 4 missing: the next query (7) sees 4 .. 7
+    buf.append(torch.randn(6, 1, 2), torch.randn(6, 1, 2), pos)
+    with pytest.raises(ValueError, match="ring needs"):
+        st.load(0, buf)
+    buf = KVBuffer(1, 2, 2, dtype=torch.float32, device="cpu")
+    k, v = torch.randn(7, 1, 2), torch.randn(7, 1, 2)
+    buf.append(k, v, torch.arange(7))
+    st.load(0, buf)                                        # positions 4, 5, 6 in slots 0, 1, 2; slot 3 free for 7
+    assert st.n.tolist() == [3] and st.pos[0].tolist() == [4, 5, 6, -1]
+    back = st.store(0, 0, 4)
+    torch.testing.assert_close(back.view()[0], k[4:])
+    assert back.view()[2].tolist() == [4, 5, 6]

@@ -99,6 +99,10 @@ class AttentionMixer(nn.Module):
 
     # -- static decode (runtime/decode.py) ---------------------------------------------------------------
     def static_state(self, rows: int, cap: int, device, dtype) -> StaticKV:
+        """A sliding window: a ring of at most `window` slots (a step reads the window's keys, not the row's)."""
+        if self.window:
+            return StaticKV.empty(rows, min(cap, self.window), self.num_kv_heads, self.key_dim, self.value_dim,
+                                  dtype=dtype, device=device, ring=True)
         return StaticKV.empty(rows, cap, self.num_kv_heads, self.key_dim, self.value_dim, dtype=dtype, device=device)
 
     def static_load(self, st: StaticKV, row: int, state: KVBuffer) -> None:
@@ -108,19 +112,12 @@ class AttentionMixer(nn.Module):
         return st.store(row, n, capacity)
 
     def _forward_static(self, x, batch):
-        """One token per row, fixed shapes, no host sync: the key goes to slot n of its row (clamped to
-        the last slot for idle rows, whose results are discarded), then the query attends to the row's
-        first n + 1 slots."""
+        """One token per row, fixed shapes, no host sync: the key goes into its row (StaticKV.append), then the
+        query attends to the row's valid slots (a sliding window's ring holds exactly the keys it sees)."""
         st: StaticKV = batch.static.layers[self.layer_idx]
         q, k_raw, v, extra = self.project(x, batch)
         q = self.place_queries(q, batch.positions, batch)
-        k = self.place_keys(k_raw, batch.positions, batch)
-        rows = batch.static.rows
-        at = st.n.clamp(max=st.k.shape[2] - 1)
-        st.k[rows, :, at] = k
-        st.v[rows, :, at] = v
-        st.pos[rows, at] = batch.positions
-        st.n.copy_(at + 1)
+        st.append(batch.static.rows, self.place_keys(k_raw, batch.positions, batch), v, batch.positions)
         return self.output(x, self.ops.decode_attention(q, st.k, st.v, st.n, scale=self.scale), extra)
 
     # -- the fixed-buffer compose pass (runtime/compose_graph.py) ---------------------------------------

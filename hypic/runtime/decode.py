@@ -6,7 +6,8 @@ kernel launches for a few microseconds of work each). Here the running requests 
 fixed-shape buffers, one per stateful layer:
 
     linear layers   rec [R, H, K, V] fp32, conv [R, W-1, C]         (LinearMixer.static_state)
-    attention       k, v [R, Hkv, C, D], pos [R, C], n [R]          (runtime.state.StaticKV)
+    attention       k, v [R, Hkv, C, D], pos [R, C], n [R]          (runtime.state.StaticKV; a sliding window's
+                    rows are rings of min(C, window) slots)
 
 and one step is a pure function of (ids [R], positions [R]) that updates them in place and returns
 logits [R, V] (`ForwardBatch.static`: every mixer has a static branch). No host sync, no shape that
@@ -115,7 +116,7 @@ class StaticDecoder:
     def _need(self, r) -> int:
         """KV slots request r needs for its next `ahead` tokens (not its whole max_tokens: a row's
         capacity grows when it runs out, so a long max_tokens does not reserve memory up front)."""
-        held = max(r.state.length, _kv_len(r.state)) if id(r) not in self.row_of else self.kv_len[id(r)]
+        held = self._kv_len(r.state) if id(r) not in self.row_of else self.kv_len[id(r)]
         return min(held + min(self.ahead, max(1, r.params.max_tokens - len(r.output_ids))) + 1, self.max_len + 1)
 
     @torch.inference_mode()
@@ -169,7 +170,16 @@ class StaticDecoder:
         self.static.load(row, r.state)
         key = id(r)
         self.row_of[key], self.reqs[key] = row, r
-        self.kv_len[key] = _kv_len(r.state)
+        self.kv_len[key] = self._kv_len(r.state)
+
+    def _kv_len(self, state) -> int:
+        """Slots a request's row holds: one per position in each full-attention layer (a sliding-window layer
+        drops the keys its window has passed, and its ring places keys by position, so its count is not it)."""
+        n = state.length
+        for l, s in state.layers.items():
+            if hasattr(s, "n") and not getattr(self.model.mixers[l], "window", 0):
+                return max(n, int(s.n))
+        return n
 
     # -- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -207,11 +217,3 @@ class StaticDecoder:
         else:
             logits = self.model(st.batch())
         return logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-
-
-def _kv_len(state) -> int:
-    """Keys a request holds (every attention layer holds the same number)."""
-    for s in state.layers.values():
-        if hasattr(s, "n"):
-            return int(s.n)
-    return 0

@@ -11,7 +11,8 @@ types are defined:
     StaticKV     k, v [R, Hkv, C, D], pos [R, C], n [R]
                                        fixed-shape keys of R sequences for the graph-captured
                                        decode (runtime/decode.py); n (on the device) counts the
-                                       valid slots of each row
+                                       valid slots of each row; a sliding-window layer's is a ring
+                                       (the key at position p in slot p % C, C <= window)
 Layers never mutate a tensor they were given: they assign new ones, so states loaded from a
 cache node or a segment entry can be shared without copies.
 """
@@ -122,35 +123,80 @@ class KVBuffer:
 @dataclass
 class StaticKV:
     """R rows of C key/value slots at fixed addresses (CUDA-graph decode); the first n[r] of row r hold
-    its keys (as attended) in the order they were appended, pos[r] their absolute positions."""
+    its keys (as attended) in the order they were appended, pos[r] their absolute positions.
+
+    ring (a sliding-window layer, C at most its window): the key at position p sits in slot p % C, so a decode
+    step's key overwrites the one C positions back, which a window of C no longer lets any query see; the
+    row's positions are 0 .. P-1 (every attention layer keeps a key per position), so while P < C the valid
+    slots are the first P and n counts them; from then on all C (n = C). A layer whose window is wider than
+    C holds P < C positions by the decoder's capacity rule (C covers every row's next position), so its ring
+    never wraps before the buffers grow."""
 
     k: torch.Tensor
     v: torch.Tensor
     pos: torch.Tensor
     n: torch.Tensor
+    ring: bool = False
 
     @classmethod
-    def empty(cls, rows: int, cap: int, num_kv_heads: int, key_dim: int, value_dim: int, *, dtype, device):
+    def empty(cls, rows: int, cap: int, num_kv_heads: int, key_dim: int, value_dim: int, *, dtype, device,
+              ring: bool = False):
         return cls(torch.zeros(rows, num_kv_heads, cap, key_dim, dtype=dtype, device=device),
                    torch.zeros(rows, num_kv_heads, cap, value_dim, dtype=dtype, device=device),
                    torch.zeros(rows, cap, dtype=torch.long, device=device),
-                   torch.zeros(rows, dtype=torch.long, device=device))
+                   torch.zeros(rows, dtype=torch.long, device=device), ring)
 
     def load(self, row: int, buf: KVBuffer) -> None:
         k, v, pos = buf.view()
-        n = k.shape[0]
-        if n > self.k.shape[2]:
-            raise ValueError(f"{n} keys do not fit {self.k.shape[2]} slots")
+        n, cap = k.shape[0], self.k.shape[2]
+        if self.ring:
+            self.pos[row].fill_(-1)                       # slots holding no key of this row (store skips them)
+            self.n[row] = 0
+            if not n:
+                return
+            # what the next query (position P = newest + 1) can still see once its own key is in slot P % C
+            nxt = int(pos.max()) + 1
+            keep = (pos > nxt - cap).nonzero()[:, 0]
+            want = min(nxt, cap - 1)
+            if keep.numel() != want:
+                raise ValueError(f"a sliding-window row holds {keep.numel()} of the {want} keys before position "
+                                 f"{nxt} that its ring needs (positions missing or repeated)")
+            slots = pos[keep] % cap
+            self.k[row].index_copy_(1, slots, k[keep].transpose(0, 1))
+            self.v[row].index_copy_(1, slots, v[keep].transpose(0, 1))
+            self.pos[row].index_copy_(0, slots, pos[keep])
+            self.n[row] = want
+            return
+        if n > cap:
+            raise ValueError(f"{n} keys do not fit {cap} slots")
         self.k[row, :, :n] = k.transpose(0, 1)
         self.v[row, :, :n] = v.transpose(0, 1)
         self.pos[row, :n] = pos
         self.n[row] = n
 
+    def append(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """One key per row at fixed shapes, no host sync (a decode step): at slot n (clamped to the last slot
+        for idle rows, whose results are discarded), or in a ring at slot position % C."""
+        cap = self.k.shape[2]
+        at = positions % cap if self.ring else self.n.clamp(max=cap - 1)
+        self.k[rows, :, at] = k
+        self.v[rows, :, at] = v
+        self.pos[rows, at] = positions
+        self.n.copy_((self.n + 1).clamp(max=cap) if self.ring else at + 1)
+
     def store(self, row: int, n: int, capacity: int) -> KVBuffer:
-        """Row `row` (n valid slots) as a KVBuffer with its own memory."""
+        """Row `row` (n valid slots; a ring: the keys it holds, in position order) as a KVBuffer with its own
+        memory."""
         hkv, d, dv = self.k.shape[1], self.k.shape[3], self.v.shape[3]
+        if self.ring:
+            held = (self.pos[row] >= 0).nonzero()[:, 0]
+            idx = held[self.pos[row, held].argsort()]
+            n = idx.numel()
+            k, v, pos = self.k[row][:, idx], self.v[row][:, idx], self.pos[row, idx]
+        else:
+            k, v, pos = self.k[row, :, :n], self.v[row, :, :n], self.pos[row, :n]
         buf = KVBuffer(hkv, d, dv, dtype=self.k.dtype, device=self.k.device, capacity=max(n, capacity))
-        buf.append(self.k[row, :, :n].transpose(0, 1), self.v[row, :, :n].transpose(0, 1), self.pos[row, :n])
+        buf.append(k.transpose(0, 1), v.transpose(0, 1), pos)
         return buf
 
     def clear(self, row: int) -> None:
