@@ -346,6 +346,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         return lambda: flagged(mod, name, value)
 
     from hypic.ops import fast as _fast
+    import hypic.models.base as _base
 
     nop = contextlib.nullcontext
     variants = [("default", nop, {}),
@@ -354,7 +355,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("norms_unfused", flag(_fast, "FUSED_NORMS", False), {}),             # before run 38
                 ("route_by_torch", flag(_fast, "ROUTE_KERNELS", False), {}),          # before run 38
                 ("head_norms_by_fla", flag(_fast, "NORM_ROWS", False), {}),           # before run 49
-                ("order_keys_by_torch", flag(_fast, "ORDER_KERNEL", False), {})]      # before run 77
+                ("order_keys_by_torch", flag(_fast, "ORDER_KERNEL", False), {}),      # before run 77
+                ("last_layer_all_rows", flag(_base, "PRUNE_LAST_LAYER", False), {})]  # before the 28th session
     if _tr is not None:
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
     if _ts is not None:             # each chain step's map loaded during the step before it (twenty-third session)
@@ -525,8 +527,21 @@ def main():
             h = hf_times[n]
             entry.update(transformers_s=h["median_s"], transformers_all_s=h["all_s"], speedup=h["median_s"] / med,
                          last_logits_rel_diff=float((ours - h["last_logits"]).norm() / h["last_logits"].norm()))
+        # the last layer on every row (before the twenty-eighth session), interleaved with the default (the last
+        # layer's attention and MLP on the logits row only), paired by round
+        import hypic.models.base as _base
+
+        pair = {"default": [], "last_layer_all_rows": []}
+        for r in range(2 * args.reps):
+            for name in (["default", "last_layer_all_rows"] if r % 2 == 0 else ["last_layer_all_rows", "default"]):
+                with flagged(_base, "PRUNE_LAST_LAYER", name == "default"):
+                    pair[name].append(ttft(p)[0])
+        diff = statistics.median(a - b for a, b in zip(pair["last_layer_all_rows"], pair["default"]))
+        entry.update(interleaved_s={k: statistics.median(v) for k, v in pair.items()}, last_layer_all_rows_minus_default_s=diff)
         res["full_prefill"][n] = entry
         print(f"hypic full prefill {n}: {med * 1e3:.0f} ms  {entry}", flush=True)
+        print(f"full prefill {n}, interleaved: last layer on all rows minus default, paired by round: "
+              f"{diff * 1e3:+.2f} ms", flush=True)
         (torch.cuda.empty_cache() if DEV == 'cuda' else None)
 
     # -- the RAG request --------------------------------------------------------------------------------

@@ -186,7 +186,12 @@ class AttentionMixer(nn.Module):
         else:
             ok, ov = self.ops.order_keys(keys, values, c.kperm, free=buf["k"], lo=buf["hk"].shape[0], cos=rope[0],
                                          sin=rope[1], rotary_dim=rope[2])
-        out = self.ops.position_attention(q, ok, ov, c.qlast, c.kidx, scale=self.scale, sorted_keys=True)
+        if batch.keep is None:
+            out = self.ops.position_attention(q, ok, ov, c.qlast, c.kidx, scale=self.scale, sorted_keys=True)
+        else:                             # the last layer: the logits rows only (the others zero)
+            out = q.new_zeros(q.shape[:2] + ov.shape[2:])
+            out[batch.keep] = self.ops.position_attention(q[batch.keep], ok, ov, c.qlast[batch.keep], c.kidx,
+                                                          scale=self.scale, sorted_keys=True)
         return self.output(x, out, extra)
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> KVBuffer:
@@ -213,11 +218,19 @@ class AttentionMixer(nn.Module):
         q = self.place_queries(q, batch.positions, batch)
         k = self.place_keys(k_raw, batch.positions, batch)
         out = None
+        keep = batch.keep_rows()          # the last layer: only these rows are read after it (the others zero)
         for seq, kk, vv, pp, ordered in self.store(x, batch, k_raw, k, v):
-            sl = slice(seq.start, seq.end)
-            o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=ordered)
+            if keep is None:
+                sl = slice(seq.start, seq.end)
+                o = self.attend(q[sl], kk, vv, batch.positions[sl], pp, contiguous=ordered)
+            else:
+                sl = [r for r in keep if seq.start <= r < seq.end]
+                if not sl:
+                    continue
+                sl = torch.tensor(sl, device=q.device)
+                o = self.attend(q[sl], kk, vv, batch.positions[sl], pp)
             if out is None:
-                out = o.new_empty((n,) + tuple(o.shape[1:]))
+                out = (o.new_empty if keep is None else o.new_zeros)((n,) + tuple(o.shape[1:]))
             out[sl] = o
         if self.window:
             self.evict(batch)

@@ -84,6 +84,8 @@ class BailingMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         p = cfg.params
@@ -100,7 +102,7 @@ class DecoderLayer(nn.Module):
         return self.attention
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.attention(self.input_layernorm(h), batch)
+        h = batch.kept(h + self.attention(self.input_layernorm(h), batch))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

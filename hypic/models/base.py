@@ -15,6 +15,11 @@ from ..layers.rope import Rotary
 from ..runtime.batch import ForwardBatch
 
 
+# the last layer computes only the rows that return logits (CausalLM.run_layers); False: every row (the plain
+# forward the tests compare it with)
+PRUNE_LAST_LAYER = True
+
+
 class Backbone(nn.Module):
     """What every family's base model holds, in this order: `embed_tokens`, the one `rotary` table its attention
     layers share (rotary_dim 0: NoPE, none), `layers` (layer(cfg, i, ops, rotary) for each index), and the final
@@ -81,14 +86,31 @@ class CausalLM(nn.Module):
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """The forward without inference mode: differentiable where the ops are (training with PIC in the
         loop, quality/pic_train.py); the engine calls `forward`."""
-        h = self.embed(batch)
-        for layer in self.model.layers:
-            h = layer(h, batch)
+        h = self.run_layers(self.embed(batch), batch, 0, len(self.model.layers))
         return self.head(h, batch)
 
+    def run_layers(self, h: torch.Tensor, batch: ForwardBatch, lo: int, hi: int) -> torch.Tensor:
+        """Layers lo .. hi-1 (a captured graph runs the stack in pieces). Before the last layer, where fewer rows
+        return logits than the batch holds (a prefill's last token, a warm request's query end), `batch.keep` names
+        them: that layer's attention attends from those rows only and its MLP runs on them alone (their values
+        are the same; no later layer reads the others). A layer takes part where it says so (`cuts_rows`: its
+        stateful mixers read nothing an attention of the same layer computed, and it cuts the rows with
+        `batch.kept` once they have run). PRUNE_LAST_LAYER False: every row to the end."""
+        layers = self.model.layers
+        for i in range(lo, hi):
+            cut = (i == len(layers) - 1 and PRUNE_LAST_LAYER and getattr(layers[i], "cuts_rows", False)
+                   and 0 < batch.logits_index.shape[0] < batch.num_tokens)
+            batch.keep = batch.logits_index if cut else None
+            try:
+                h = layers[i](h, batch)
+            finally:
+                batch.keep = None
+        return h
+
     def head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The final norm and the LM head on the rows that return logits."""
-        h = self.model.norm_out(h[batch.logits_index])
+        """The final norm and the LM head on the rows that return logits (h holds only those where the last layer
+        cut the others)."""
+        h = self.model.norm_out(h if h.shape[0] != batch.num_tokens else h[batch.logits_index])
         return self.lm_head(h).float()
 
     def dummy_init(self, name: str, p: torch.Tensor, generator: torch.Generator) -> bool:

@@ -99,6 +99,8 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         p = cfg.params
@@ -122,7 +124,7 @@ class DecoderLayer(nn.Module):
         x = self.input_layernorm(h)
         m = self.mamba(x, batch) * self.ssm_out
         a = self.self_attn(x * self.attn_in, batch) * self.attn_out
-        h = h + (m + a)
+        h = batch.kept(h + (m + a))
         return h + self.feed_forward(self.pre_ff_layernorm(h))
 
 

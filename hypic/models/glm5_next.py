@@ -82,6 +82,8 @@ class HyperConnection(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary=None):
         super().__init__()
         p = cfg.params
@@ -102,7 +104,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         post, comb, z = self.attn_hc(h)
-        h = self.attn_hc.combine(h, self.self_attn(self.input_layernorm(z), batch), post, comb)
+        h = batch.kept(self.attn_hc.combine(h, self.self_attn(self.input_layernorm(z), batch), post, comb))
         post, comb, z = self.ffn_hc(h)
         return self.ffn_hc.combine(h, self.mlp(self.post_attention_layernorm(z)), post, comb)
 

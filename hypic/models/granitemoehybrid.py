@@ -35,6 +35,8 @@ class SharedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         p = cfg.params
@@ -55,7 +57,7 @@ class DecoderLayer(nn.Module):
         return self.mamba if hasattr(self, "mamba") else self.self_attn
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.state_mixer(self.input_layernorm(h), batch) * self.residual_multiplier
+        h = batch.kept(h + self.state_mixer(self.input_layernorm(h), batch) * self.residual_multiplier)
         x = self.post_attention_layernorm(h)
         y = self.shared_mlp(x)
         if self.block_sparse_moe is not None:

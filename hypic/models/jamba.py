@@ -17,6 +17,8 @@ from .base import Backbone, CausalLM
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary=None):
         super().__init__()
         p = cfg.params
@@ -33,7 +35,7 @@ class DecoderLayer(nn.Module):
         return self.self_attn if hasattr(self, "self_attn") else self.mamba
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.state_mixer(self.input_layernorm(h), batch)
+        h = batch.kept(h + self.state_mixer(self.input_layernorm(h), batch))
         return h + self.feed_forward(self.pre_ff_layernorm(h))
 
 

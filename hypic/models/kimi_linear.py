@@ -48,6 +48,8 @@ class KimiMoe(nn.Module):
 class DecoderLayer(nn.Module):
     """full / linear: the mixers' constructors, (cfg, layer index, ops[, rotary]) -> mixer (Ling 3.0 passes its own;
     Kimi-Linear's MLA is NoPE: rotary None)."""
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
 
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary=None, full=MultiHeadLatentAttention,
                  linear=KimiDeltaAttention):
@@ -63,7 +65,7 @@ class DecoderLayer(nn.Module):
         return self.self_attn
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch)
+        h = batch.kept(h + self.self_attn(self.input_layernorm(h), batch))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -45,6 +45,8 @@ class LaraMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         if cfg.layer_types[i] == LINEAR:
@@ -60,7 +62,7 @@ class DecoderLayer(nn.Module):
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.state_mixer(self.input_layernorm(h), batch)
+        h = batch.kept(h + self.state_mixer(self.input_layernorm(h), batch))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

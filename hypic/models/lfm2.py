@@ -74,6 +74,8 @@ class Lfm2Moe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         if cfg.layer_types[i] == FULL:
@@ -92,7 +94,7 @@ class DecoderLayer(nn.Module):
         return self.self_attn if hasattr(self, "self_attn") else self.conv
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.state_mixer(self.operator_norm(h), batch)
+        h = batch.kept(h + self.state_mixer(self.operator_norm(h), batch))
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -38,6 +38,8 @@ class Lfm3Attention(HeadNormAttention):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotaries: dict):
         super().__init__()
         p = cfg.params
@@ -60,7 +62,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         y = self.state_mixer(self.operator_norm(h), batch)
-        h = h + (self.post_operator_norm(y) if self.sandwich else y)
+        h = batch.kept(h + (self.post_operator_norm(y) if self.sandwich else y))
         y = self.feed_forward(self.ffn_norm(h))
         return h + (self.post_ffn_norm(y) if self.sandwich else y)
 

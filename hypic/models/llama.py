@@ -20,6 +20,8 @@ from .base import Backbone, CausalLM
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         p = cfg.params
@@ -35,7 +37,7 @@ class DecoderLayer(nn.Module):
         return self.self_attn
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch)
+        h = batch.kept(h + self.self_attn(self.input_layernorm(h), batch))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -30,6 +30,8 @@ class MixtralMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         p = cfg.params
@@ -50,7 +52,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = self.input_layernorm(h)
-        h = h * self.alpha + self.self_attn(h, batch) * self.beta
+        h = batch.kept(h * self.alpha + self.self_attn(h, batch) * self.beta)
         h = self.post_attention_layernorm(h)
         return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
 

@@ -62,6 +62,8 @@ class NemotronMoe(nn.Module):
 
 
 class Block(nn.Module):
+    cuts_rows = True                  # the last block, if an MLP, on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary=None):
         super().__init__()
         p = cfg.params
@@ -82,6 +84,8 @@ class Block(nn.Module):
         return self.mixer if self.stateful else None
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if not self.stateful:
+            h = batch.kept(h)
         return h + self.mixer(self.norm(h), batch)
 
 

@@ -20,6 +20,8 @@ from .base import Backbone, CausalLM, uniform
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         self.is_attention = cfg.layer_types[i] == FULL
@@ -37,7 +39,7 @@ class DecoderLayer(nn.Module):
         return self.self_attn if self.is_attention else self.linear_attn
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.state_mixer(self.input_layernorm(h), batch)
+        h = batch.kept(h + self.state_mixer(self.input_layernorm(h), batch))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

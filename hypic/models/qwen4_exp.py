@@ -66,6 +66,8 @@ class GatedResidual(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         p = cfg.params
@@ -91,7 +93,7 @@ class DecoderLayer(nn.Module):
             h = h + self.ple(h, batch)
         m, inject = self.attn_hyper_connection(h)
         mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
-        h = GatedResidual.add(h, mixer(m, batch), inject)
+        h = batch.kept(GatedResidual.add(h, mixer(m, batch), inject))
         m, inject = self.mlp_hyper_connection(h)
         return GatedResidual.add(h, self.mlp(m), inject)
 

@@ -31,6 +31,8 @@ class GeGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    cuts_rows = True                  # the last layer's MLP on the logits rows alone (CausalLM.run_layers)
+
     def __init__(self, cfg: ModelConfig, i: int, ops, rotary):
         super().__init__()
         p = cfg.params
@@ -48,7 +50,7 @@ class DecoderLayer(nn.Module):
         return self.temporal_block
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.temporal_block(self.temporal_pre_norm(h), batch)
+        h = batch.kept(h + self.temporal_block(self.temporal_pre_norm(h), batch))
         return h + self.mlp_block(self.channel_pre_norm(h))
 
 

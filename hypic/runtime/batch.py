@@ -66,10 +66,29 @@ class ForwardBatch:
     scratch: dict[str, Any] = field(default_factory=dict)   # per-forward derived tensors (RoPE tables)
     static: Any = None          # runtime.decode.StaticDecode: one token per row over fixed buffers (no seqs)
     captured: Any = None        # runtime.compose_graph.ComposeBuffers: one lowered request over fixed buffers
+    # the rows the rest of the forward still reads (the logits rows), set by the model for its last layer
+    # (CausalLM.run_layers): a mixer may then compute its output for these rows only (others zero), and a layer
+    # drops the other rows (`kept`) once its stateful mixers have run, so its MLP runs on these rows alone
+    keep: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def kept(self, h: torch.Tensor) -> torch.Tensor:
+        """h [N, ...] cut to the rows `keep` names (in its order); h itself where nothing is cut (or already was)."""
+        if self.keep is None or h.shape[0] != self.input_ids.shape[0]:
+            return h
+        return h.index_select(0, self.keep)
+
+    def keep_rows(self) -> list[int] | None:
+        """`keep` on the host (read once per forward), for the planned paths that split rows per sequence."""
+        if self.keep is None:
+            return None
+        rows = self.scratch.get("keep_rows")
+        if rows is None:
+            rows = self.scratch["keep_rows"] = self.keep.tolist()
+        return rows
 
 
 class BatchBuilder:

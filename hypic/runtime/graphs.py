@@ -60,8 +60,7 @@ def capture_forward(model, batch, device, pieces: int = 1, first: int = 0):
             with torch.cuda.graph(graph, pool=pool):
                 if i == 0:
                     h = model.embed(batch)
-                for layer in layers[bounds[i] : bounds[i + 1]]:
-                    h = layer(h, batch)
+                h = model.run_layers(h, batch, bounds[i], bounds[i + 1])
                 if i == len(bounds) - 2:
                     out = model.head(h, batch)
             pool = graph.pool() if pool is None else pool
