@@ -25,8 +25,7 @@ def test_static_decode_equals_dynamic(hf_checkpoints, arch, mode):
     outs = {}
     for decode in ("dynamic", "static"):
         llm = LLM(str(path), cache_mode=mode, seam=4, decode=decode)
-        indexed = any(getattr(m, "planned_only", False) for m in llm.engine.model.mixers.values())
-        assert (llm.engine.decoder is None) == (decode == "dynamic" or indexed)   # windowed models: rings
+        assert (llm.engine.decoder is None) == (decode == "dynamic")    # windowed (rings) and indexed models too
         outs[decode] = llm.generate(_requests(3), SamplingParams(max_tokens=6, return_logits=True, ignore_eos=True))
     for a, b in zip(outs["dynamic"], outs["static"]):
         assert a.token_ids == b.token_ids
@@ -183,3 +182,34 @@ def test_ring_load_refuses_missing_positions():
     back = st.store(0, 0, 4)
     torch.testing.assert_close(back.view()[0], k[4:])
     assert back.view()[2].tolist() == [4, 5, 6]
+
+
+@pytest.mark.parametrize("arch_i", ["qwen4_exp", "glm5_next"])
+def test_indexed_rows_select_like_the_planned_walk(hf_checkpoints, arch_i, monkeypatch):
+    """Indexed attention decodes over fixed buffers: each step pools every row's raw indexer keys (slots in any
+    order, placed segments' first) into blocks at their true positions and selects per row with no host sync
+    (`_Indexer.select_rows`); the same tokens and logits as the planned step, requests joining and leaving, and the
+    selection really leaves keys out (each step's rows hold more complete blocks than the indexer's budget)."""
+    if arch_i not in hf_checkpoints:
+        pytest.skip(f"{arch_i}: transformers lacks its class")
+    import hypic.layers.indexed as indexed
+
+    seen = []
+    orig = indexed._Indexer.select_rows
+
+    def spy(self, q, q_pos, st, attn_pos):
+        allowed = orig(self, q, q_pos, st, attn_pos)
+        valid = torch.arange(allowed.shape[1])[None, :] < st.n[:, None]
+        seen.append(bool(((~allowed) & valid).any()))
+        return allowed
+
+    monkeypatch.setattr(indexed._Indexer, "select_rows", spy)
+    path = hf_checkpoints[arch_i][1]
+    prompts, lens, joins = _requests(6), [3, 7, 4], [2, 0, 1]
+    ref = _drive(LLM(str(path), decode="dynamic", seam=4), prompts, lens, joins)
+    assert not seen
+    got = _drive(LLM(str(path), decode="static", seam=4), prompts, lens, joins)
+    for i in ref:
+        assert got[i][0] == ref[i][0]
+        torch.testing.assert_close(got[i][1], ref[i][1], atol=ATOL, rtol=0)
+    assert seen and all(seen)

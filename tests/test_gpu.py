@@ -527,12 +527,13 @@ def test_cuda_graph_compose_matches_eager_buffers():
 
 @cuda
 @pytest.mark.parametrize("preset,dtype", [("tiny-qwen3.5", "bfloat16"), ("tiny-kimi-linear", "float32"),
-                                          ("tiny-recurrent-gemma", "bfloat16")])
+                                          ("tiny-recurrent-gemma", "bfloat16"), ("tiny-qwen4-exp", "bfloat16")])
 def test_cuda_graph_decode_matches_eager_buffers(preset, dtype):
     """The captured step replays the same kernels as the eager static step on the same buffers. The KDA model in
     fp32 (the quality study's evaluation) runs reference linear ops on the GPU: its capture used to fail (an index
     tensor sent to the device inside the step) and decode fell back to eager. RecurrentGemma: sliding-window rings
-    (slots by position, 12 of them: the 87-token prompt wraps them) and the RG-LRU's diagonal scan in the graph."""
+    (slots by position, 12 of them: the 87-token prompt wraps them) and the RG-LRU's diagonal scan in the graph.
+    Qwen4-Exp: the indexer's per-row pooling, top-k and the selection-masked attention in the graph."""
     from hypic import LLM, Prompt, SamplingParams
     from hypic.runtime.decode import StaticDecoder
 

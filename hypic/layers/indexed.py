@@ -58,12 +58,14 @@ class _Indexer(AttentionMixer):
         """The active tokens' query tensors (each [Nq, ...]) from project's q."""
         raise NotImplementedError
 
-    def pool(self, raw: torch.Tensor) -> torch.Tensor:
-        """raw [nb, block, key_dim] (complete blocks in position order) -> the blocks' keys [nb, d] as scored."""
+    def pool(self, raw: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """raw [nb, block, key_dim] (complete blocks, each's tokens in position order), starts [nb] (each block's
+        first position) -> the blocks' keys [nb, d] as scored."""
         raise NotImplementedError
 
     def scores(self, q: tuple, pooled: torch.Tensor) -> torch.Tensor:
-        """[Nq, nb] fp32 block scores for the queries (a slice of `queries`' tensors)."""
+        """[Nq, nb] fp32 block scores for the queries (a slice of `queries`' tensors) against pooled [nb, d] (the same
+        blocks for every query) or [Nq, nb, d] (each query its own: a decode step's rows)."""
         raise NotImplementedError
 
     def collect(self, x: torch.Tensor, batch: ForwardBatch, extra=None):
@@ -86,7 +88,8 @@ class _Indexer(AttentionMixer):
         raw = keys.new_empty(n, keys.shape[-1])
         raw[key_pos] = keys[:, 0]                                                     # in position order
         nb = n // self.block
-        pooled = self.pool(raw[: nb * self.block].view(nb, self.block, -1))
+        pooled = self.pool(raw[: nb * self.block].view(nb, self.block, -1),
+                           torch.arange(nb, device=keys.device) * self.block)
         valid = torch.arange(nb, device=keys.device)[None, :] < nq_blocks[:, None]        # complete for that query
         chosen = torch.zeros(q_pos.shape[0], nb + 1, dtype=torch.bool, device=keys.device)
         # queries in slices: the per-head scores are [queries, heads, blocks] fp32 before the reduction over heads
@@ -99,6 +102,31 @@ class _Indexer(AttentionMixer):
         block_of = torch.div(attn_pos, self.block, rounding_mode="floor").clamp(max=nb)
         tail = attn_pos[None, :] >= (nq_blocks * self.block)[:, None]                   # the incomplete last block
         return chosen[:, block_of] | tail
+
+    def select_rows(self, q: tuple, q_pos, st, attn_pos) -> torch.Tensor:
+        """`select` for a decode step over fixed buffers, no host sync: row r's query q[r] at q_pos[r] over the raw
+        keys of its row of st (StaticKV: slots in any order, their positions st.pos, st.n valid; one key per
+        position 0..n-1), for the attention's slots at positions attn_pos [R, C]. Every row pools all C // block
+        blocks its buffer could hold (those not complete for its query masked), so shapes depend on the buffers
+        alone. Returns allowed [R, C] (slots past a row's length are the caller's to mask)."""
+        rows, cap = st.pos.shape
+        nb = cap // self.block
+        slot = torch.arange(cap, device=st.pos.device)[None, :]
+        at = torch.where(slot < st.n[:, None], st.pos, cap)                   # invalid slots into a spare row
+        raw = st.k.new_zeros(rows, cap + 1, st.k.shape[-1])
+        raw.scatter_(1, at[..., None].expand(-1, -1, raw.shape[-1]), st.k[:, 0])         # [R, C + 1, d] in position order
+        starts = (torch.arange(nb, device=raw.device) * self.block).repeat(rows)
+        pooled = self.pool(raw[:, : nb * self.block].reshape(rows * nb, self.block, -1), starts).view(rows, nb, -1)
+        nq_blocks = torch.div(q_pos + 1, self.block, rounding_mode="floor")               # [R]
+        valid = torch.arange(nb, device=raw.device)[None, :] < nq_blocks[:, None]
+        chosen = torch.zeros(rows, nb + 1, dtype=torch.bool, device=raw.device)
+        if nb:
+            sc = self.scores(q, pooled)
+            top = sc.masked_fill(~valid, float("-inf")).topk(min(self.top, nb), dim=-1).indices
+            chosen[:, :nb] = torch.zeros_like(valid).scatter_(1, top, True) & valid
+        block_of = torch.div(attn_pos, self.block, rounding_mode="floor").clamp(0, nb)
+        tail = attn_pos >= (nq_blocks * self.block)[:, None]
+        return chosen.gather(1, block_of) | tail
 
 
 class IndexerKeys(_Indexer):
@@ -129,14 +157,15 @@ class IndexerKeys(_Indexer):
         cos, sin = rot.cos_sin(batch.positions, q.dtype)
         return (rot.apply(self.q_layernorm(q), cos, sin),)
 
-    def pool(self, raw):
+    def pool(self, raw, starts):
         pooled = raw.float().mean(1).to(raw.dtype)
         rot = self.rotary[0]
-        cos, sin = rot.cos_sin(torch.arange(raw.shape[0], device=raw.device) * self.block, raw.dtype)
+        cos, sin = rot.cos_sin(starts, raw.dtype)
         return rot.apply(self.k_layernorm(pooled)[:, None], cos, sin)[:, 0]
 
     def scores(self, q, pooled):
-        return torch.relu(torch.einsum("qhd,bd->qhb", q[0].float(), pooled.float())).sum(1) / math.sqrt(self.key_dim)
+        eq = "qhd,bd->qhb" if pooled.dim() == 2 else "qhd,qbd->qhb"
+        return torch.relu(torch.einsum(eq, q[0].float(), pooled.float())).sum(1) / math.sqrt(self.key_dim)
 
 
 class PooledIndexerKeys(_Indexer):
@@ -169,14 +198,15 @@ class PooledIndexerKeys(_Indexer):
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5
         return self.wq_b(q_latent).view(n, self.heads, self.d), w
 
-    def pool(self, raw):
+    def pool(self, raw, starts):
         k, g = raw[..., : self.d], raw[..., self.d :]
         w = torch.softmax(g.float() + self.index_kpool_compress_ape.float()[None], dim=1).to(k.dtype)
         return (w * k).sum(1)
 
     def scores(self, q, pooled):
         qh, w = q
-        sc = torch.relu(torch.einsum("qhd,bd->qhb", qh.float(), pooled.float()) * self.d ** -0.5)
+        eq = "qhd,bd->qhb" if pooled.dim() == 2 else "qhd,qbd->qhb"
+        sc = torch.relu(torch.einsum(eq, qh.float(), pooled.float()) * self.d ** -0.5)
         return torch.einsum("qh,qhb->qb", w, sc)
 
 
@@ -185,11 +215,13 @@ class _IndexedForward:
     and its queries made (from the layer input and the attention's `project` extra), then per sequence, in query
     slices of bounded mask size, the selection and the attention under it."""
 
-    planned_only = True
+    planned_only = True                   # the compose pass on the planned paths (decode: fixed buffers too)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if batch.static is not None or batch.captured is not None:
-            raise RuntimeError("indexed attention runs on the planned paths only")
+        if batch.static is not None:
+            return self._forward_static_indexed(x, batch)
+        if batch.captured is not None:
+            raise RuntimeError("indexed attention composes on the planned paths only")
         q, k_raw, v, extra = self.project(x, batch)
         qi, views = self.indexer.collect(x, batch, extra)
         q = self.place_queries(q, batch.positions, batch)
@@ -211,10 +243,26 @@ class _IndexedForward:
             return self.no_tokens(x)
         return self.output(x, out, extra)
 
+    def _forward_static_indexed(self, x, batch):
+        """A decode step over fixed buffers (runtime/decode.py): the indexer's raw key and the attention's key into
+        their rows, the selection from each row's raw keys (`select_rows`), the attention over the row's valid
+        slots under it; no host sync."""
+        ix = self.indexer
+        rows, pos = batch.static.rows, batch.positions
+        ist, st = batch.static.layers[ix.layer_idx], batch.static.layers[self.layer_idx]
+        q, k_raw, v, extra = self.project(x, batch)
+        iq, ik, iv, _ = ix.project(x, batch)
+        ist.append(rows, ik, iv, pos)
+        st.append(rows, self.place_keys(k_raw, pos, batch), v, pos)
+        allowed = ix.select_rows(ix.queries(x, iq, batch, extra), pos, ist, st.pos)
+        out = self.ops.decode_attention(self.place_queries(q, pos, batch), st.k, st.v, st.n, scale=self.scale,
+                                        allowed=allowed)
+        return self.output(x, out, extra)
+
 
 class IndexedAttention(_IndexedForward, GatedAttention):
     """Qwen3.5's gated attention (q/k norms, partial RoPE, sigmoid output gate) reading the keys its QSA indexer
-    selects. Runs on the planned paths only (dynamic decode, eager compose: `planned_only`)."""
+    selects. Composes on the planned paths (`planned_only`); decodes over fixed buffers too."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops, rotary):
         super().__init__(cfg, layer_idx, ops, rotary)

@@ -724,12 +724,12 @@ def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=Non
     return ref.order_keys(keys, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=rotary_dim)
 
 
-def decode_attention(q, k, v, lengths, *, scale: float):
+def decode_attention(q, k, v, lengths, *, scale: float, allowed=None):
     """The reference signature without a host sync (CUDA-graph safe). In bf16 / fp16 where Triton runs: the
-    split-K kernel of ops/triton_decode.py over each sequence's valid slots. Else every sequence's scores over
-    all C slots in two batched GEMMs, the slots past its length masked; GQA folded into the query axis;
-    [B, Hkv, C, D] keys make k^T a view, so nothing is copied."""
-    kern = triton_kernel("decode", q, k, v) if triton_here(q) and (
+    split-K kernel of ops/triton_decode.py over each sequence's valid slots. Else (and under a selection,
+    `allowed`) every sequence's scores over all C slots in two batched GEMMs, the slots past its length (or not
+    selected) masked; GQA folded into the query axis; [B, Hkv, C, D] keys make k^T a view, so nothing is copied."""
+    kern = triton_kernel("decode", q, k, v) if allowed is None and triton_here(q) and (
         q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) else None
     if kern is not None:
         try:
@@ -743,7 +743,10 @@ def decode_attention(q, k, v, lengths, *, scale: float):
     rep = h // hkv
     s = _scaled_scores(q.view(b * hkv, rep, d), k.reshape(b * hkv, cap, d).transpose(1, 2), scale)
     s = s.view(b, hkv, rep, cap)                                                    # [B, Hkv, rep, C]
-    s.masked_fill_((torch.arange(cap, device=q.device)[None, :] >= lengths[:, None])[:, None, None, :], float("-inf"))
+    hide = torch.arange(cap, device=q.device)[None, :] >= lengths[:, None]
+    if allowed is not None:
+        hide = hide | ~allowed
+    s.masked_fill_(hide[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
     return torch.matmul(p, v).reshape(b, h, dv)
 

@@ -70,13 +70,11 @@ class Engine:
         self._invalidated = 0
         tok = loaded.tokenizer                   # end-of-sequence ids: the config's and the tokenizer's
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(tok.eos_token_ids if tok else ())
-        # indexed (sparse) attention runs on the planned paths only (the fixed-buffer decode and compose attention
-        # take no selection): dynamic decode, eager compose; sliding windows decode over fixed buffers (rings) but
-        # compose eagerly (the fixed-buffer compose attention takes no window)
+        # sliding windows (rings) and indexed attention (a selection per step) decode over fixed buffers, but compose
+        # on the planned paths: the fixed-buffer compose attention takes no window or selection
         mixers = self.model.mixers.values()
-        indexed = any(getattr(m, "planned_only", False) for m in mixers)
-        windowed = indexed or any(getattr(m, "window", 0) for m in mixers)
-        mode = "dynamic" if indexed else config.decode_mode
+        windowed = any(getattr(m, "window", 0) or getattr(m, "planned_only", False) for m in mixers)
+        mode = config.decode_mode
         self.decoder = None if mode == "dynamic" else StaticDecoder(
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=mode == "graph")
         cmode = "eager" if windowed else config.compose_mode

@@ -38,17 +38,19 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def decode_attention(q, k, v, lengths, *, scale: float):
+def decode_attention(q, k, v, lengths, *, scale: float, allowed=None):
     """One new query per sequence over that sequence's cached keys (a decode step).
 
     q [B, H, D]; k [B, Hkv, C, D], v [B, Hkv, C, Dv]: C slots per sequence, of which the first
     lengths[b] are valid (the query's own key included); lengths [B] int64. Returns [B, H, Dv].
-    Every valid key precedes the query, so no position mask is needed beyond the length."""
+    Every valid key precedes the query, so no position mask is needed beyond the length. allowed [B, C] bool:
+    a selection of the valid slots (indexed sparse attention; each row keeps at least one)."""
     out = []
     for b, n in enumerate(lengths.tolist()):
         kk, vv = k[b, :, :n].transpose(0, 1), v[b, :, :n].transpose(0, 1)       # [n, Hkv, D]
         zero = torch.zeros(1, dtype=torch.long, device=q.device)
-        out.append(position_attention(q[b : b + 1], kk, vv, zero, zero.expand(n), scale=scale))
+        sel = None if allowed is None else allowed[b : b + 1, :n]
+        out.append(position_attention(q[b : b + 1], kk, vv, zero, zero.expand(n), scale=scale, allowed=sel))
     return torch.cat(out)
 
 
