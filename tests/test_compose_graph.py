@@ -18,7 +18,8 @@ from .conftest import rand_ids
 # correction, the chain scanned through a slot order); sums differ in order only (~1e-6 relative
 # per op), and a few decode steps of a random 4-6 layer model keep that under 1e-4 on logits ~1.
 ATOL = 1e-4
-GRAPH_ARCHS = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "llama", "qwen2"}   # GDN hybrids, transformers
+GRAPH_ARCHS = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "llama", "qwen2",   # GDN hybrids, transformers
+               "kimi_linear", "bailing_hybrid"}                                          # KDA hybrids
 
 
 def _one_by_one(llm, prompts, n=5):

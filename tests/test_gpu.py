@@ -67,6 +67,34 @@ def test_fla_hgrn_diagonal_scan_matches_reference():
 
 @cuda
 @pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
+@pytest.mark.parametrize("dk", [16, 128])
+def test_fla_kda_matches_reference(dk):
+    """KDA through fla's chunk and fused recurrent kernels (varlen, initial states, per-channel log decays computed
+    outside, qk l2norm in the kernel) against the fp32 reference: bf16 operands, the bound of the gated delta rule's
+    test; decays from slow (0.999) to strong (e^-4 per step: a 64-token chunk's cumulative decay e^-256, which a
+    chunked form must not turn into inf * 0). Head dims 16 (the tiny presets) and 128 (Kimi-Linear's)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens, h = [1, 9, 70, 200], 4
+    n = sum(lens)
+    q = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, n, h, dk, device="cuda", generator=g).bfloat16()
+    gate = -torch.empty(1, n, h, dk, device="cuda").uniform_(0.001, 4.0, generator=g)
+    beta = torch.rand(1, n, h, device="cuda", generator=g).bfloat16()
+    init = torch.randn(len(lens), h, dk, dk, device="cuda", generator=g) * 0.1
+    cu = torch.tensor([0] + lens).cumsum(0)
+    kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
+              initial_state=init)
+    o0, s0 = ref.recurrent_kda(q.float(), k.float(), v.float(), **kw)
+    for fn in (fast.chunk_kda, fast.recurrent_kda):
+        o1, s1 = fn(q, k, v, **kw)
+        assert "kda" not in fast.FAILED, fn.__name__
+        assert o1.dtype == torch.bfloat16 and s1.dtype == torch.float32
+        assert bool(o1.isfinite().all()) and rel(o1, o0) < 2e-2 and rel(s1, s0) < 2e-2, fn.__name__
+
+
+@cuda
+@pytest.mark.skipif(not fast.fla_available(), reason="needs fla-core")
 def test_fla_gated_delta_rule_matches_reference():
     q, k, v, gate, beta, init, cu = _gdn_inputs([1, 9, 70, 200], seed=0)
     kw = dict(g=gate, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
@@ -492,13 +520,15 @@ def test_engine_bf16_cuda_matches_cpu_reference(preset):
 
 
 @cuda
-def test_cuda_graph_compose_matches_eager_buffers():
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-kimi-linear"])
+def test_cuda_graph_compose_matches_eager_buffers(preset):
     """The captured compose pass replays the same kernels as the fixed buffers run eagerly; warm
-    requests of one shape replay one graph."""
+    requests of one shape replay one graph. Kimi-Linear: KDA's runs summarized by fla's fused recurrent KDA kernel
+    on [v | 0] from [0 | I] (device lengths) inside the graph, the chain by the dense scan."""
     from hypic import LLM, Prompt, SamplingParams
     from hypic.runtime.compose_graph import GraphCompose
 
-    llm = LLM("tiny-qwen3.5", device="cuda", dtype="bfloat16", seed=0)
+    llm = LLM(preset, device="cuda", dtype="bfloat16", seed=0)
     eng = llm.engine
     assert isinstance(eng.composer, GraphCompose) and eng.composer.graphs
     segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]

@@ -46,6 +46,7 @@ class ForgetGate(nn.Module):
 class KimiDeltaAttention(LinearMixer):
     form = Form.DENSE
     readout = True
+    graph_compose = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops):
         super().__init__(layer_idx, ops)
@@ -79,11 +80,32 @@ class KimiDeltaAttention(LinearMixer):
         return {"raw": raw, "g": self.forget_gate(x), "beta": torch.sigmoid(self.b_proj(x)),
                 "gate": self.g_b_proj(self.g_a_proj(x))}
 
-    def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False):
+    def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None, init_augmented=False,
+               max_len=None, factors=False):
         q, k, v = (t.reshape(-1, self.h, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
+        if init_augmented:
+            # the compose pass's short runs, every one from [0 | I] with K zero value columns appended: one fused
+            # recurrent call gives each run's outputs from zero, its readout u (the appended columns' outputs) and its
+            # [S | T]; no host read (cu may be on the device: the captured pass). The transitions stay dense here
+            # (factored_runs is False)
+            r, dv = cu.shape[0] - 1, v.shape[-1]
+            eye = torch.eye(self.d, device=v.device).expand(r, self.h, self.d, self.d)
+            init0 = torch.cat([eye.new_zeros(r, self.h, self.d, dv), eye], dim=-1)
+            va = torch.cat([v, v.new_zeros(v.shape[:-1] + (self.d,))], dim=-1)
+            o, final = self.ops.recurrent_kda(q[None], k[None], va[None], f["g"][None, idx], f["beta"][None, idx],
+                                              initial_state=init0, output_final_state=True, cu_seqlens=cu,
+                                              use_qk_l2norm_in_kernel=True)
+            return o[0, ..., :dv], o[0, ..., dv:], final
         fn = self.ops.recurrent_kda if int((cu[1:] - cu[:-1]).max()) == 1 else self.ops.chunk_kda
         return dense_summary_kernel(fn, q, k, v, init, cu, summarize, readout, g=f["g"][None, idx], beta=f["beta"][None, idx],
                                     use_qk_l2norm_in_kernel=True)
+
+    def capturable(self, device) -> bool:
+        """The compose pass can be captured in a CUDA graph: fla's fused recurrent KDA kernel reads cu_seqlens on the
+        device; the reference reads it on the host."""
+        from ..ops.fast import _fla_kda
+
+        return self.ops.name == "fast" and _fla_kda() is not None
 
     def output(self, x, o, f):
         n = x.shape[0]

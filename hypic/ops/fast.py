@@ -15,7 +15,9 @@
                        rows, the sort by expert in one Triton kernel each (ops/triton_route.py)
     norms, GDN gate    fla-core's fused kernels (one launch each, fp32 inside, one rounding)
     diagonal scan      (RG-LRU) fla-core's fused recurrent HGRN kernel on CUDA
-KDA, GLA and simple GLA stay on the reference ops here (their fla kernels are not wired yet).
+    KDA                fla-core's chunk and fused recurrent KDA kernels on CUDA (the gates computed here, as
+                       in the reference: fla's in-kernel gate is not used); the reference elsewhere
+GLA and simple GLA stay on the reference ops here (their fla kernels are not wired yet).
 
 Every function here has a test against its reference twin (tests/test_fast_ops.py on CPU,
 scripts/gpu_check.py on the GPU).
@@ -32,8 +34,7 @@ import torch.nn.functional as F
 
 from . import reference as ref
 from .reference import (  # noqa: F401  (re-exported: same names as the reference backend)
-    causal_conv1d, chunk_gla, chunk_kda, chunk_simple_gla, recurrent_gla, recurrent_kda, recurrent_simple_gla,
-    route_grouped_sigmoid,
+    causal_conv1d, chunk_gla, chunk_simple_gla, recurrent_gla, recurrent_simple_gla, route_grouped_sigmoid,
 )
 from .tuning import is_device_fault
 
@@ -358,6 +359,54 @@ def chunk_diagonal_scan(x, g, *, initial_state=None, output_final_state=False, c
 
 def recurrent_diagonal_scan(x, g, *, initial_state=None, output_final_state=False, cu_seqlens=None):
     return _diagonal_scan(False, x, g, initial_state, output_final_state, cu_seqlens)
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_kda():
+    """fla-core's KDA kernels (chunk, fused recurrent; the delta rule with a per-key-channel decay), or None."""
+    try:
+        from fla.ops.kda import chunk_kda as chunk, fused_recurrent_kda as recurrent
+    except Exception:
+        return None
+    return chunk, recurrent
+
+
+def _kda(which: int, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+         use_qk_l2norm_in_kernel):
+    """fla's chunk (which=0) or fused recurrent (which=1) KDA kernel on CUDA, else the reference twin (under
+    autograd the chunked twin, as for the gated delta rule). g: the log decays [B, T, H, K] as computed by the
+    model (fla's gate-in-kernel options stay off); the state fp32 in and out; varlen by cu_seqlens (device
+    lengths, the captured compose pass, go to the recurrent kernel as they are)."""
+    grad = needs_grad(q, k, v, g, beta, initial_state)
+    kern = _fla_kda() if q.is_cuda and not grad and "kda" not in FAILED else None
+    if kern is not None:
+        if which == 1 and cu_seqlens is not None and cu_seqlens.is_cuda:
+            cu, extra = cu_seqlens, {}
+        else:
+            cu, cu_cpu, _ = _cu(cu_seqlens, q.device)
+            extra = dict(cu_seqlens_cpu=cu_cpu) if which == 0 and cu is not None else {}
+        init = None if initial_state is None else initial_state.float().contiguous()
+        try:
+            o, final = kern[which](q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=init,
+                                   output_final_state=output_final_state, cu_seqlens=cu,
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **extra)
+        except Exception as e:
+            kernel_failed("kda", e)
+        else:
+            return o.to(v.dtype), (final.float() if final is not None else None)
+    fn = ref.chunk_kda if grad or which == 0 else ref.recurrent_kda
+    return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              use_qk_l2norm_in_kernel=False):
+    return _kda(0, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
+
+
+def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  use_qk_l2norm_in_kernel=False):
+    return _kda(1, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,

@@ -31,7 +31,7 @@ after it, the request's states are cut out of the pass's outputs (`compose_state
 the number of distinct graphs small: tokens by 64, cached keys by eighths of a power of two; the
 numbers of runs and entries are exact. Only what the lowering covers is taken: one request, exact
 transitions, cached segments present, runs of at most 64 tokens, every stateful layer able to run
-it (`graph_compose`: Gated DeltaNet and attention); anything else goes the planned walk. Pad queries
+it (`graph_compose`: Gated DeltaNet, KDA and attention); anything else goes the planned walk. Pad queries
 sit at position 0, where the request always has a key, so no softmax row is empty.
 The same buffers run eagerly where graphs are off (CPU tests compare them with the plain pass). With
 graphs, a shape is captured on its second request (`capture_after`); its first goes the planned way.
