@@ -680,7 +680,9 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     few = h * nq * nk * 4 <= _SCORES_BYTES
     # (fp32 stays on the explicit path: the kernel's products are tf32 on the GPU; so does autograd: the
     # kernel has no backward)
-    kern = triton_kernel("attention", q, k, v) if few and triton_here(q) and (
+    # (keys and values of one head dim only: with D != Dv (MLA: Kimi-Linear's 24 / 16) the kernel faulted on the
+    # H200, twenty-eighth session's probe; SDPA takes those)
+    kern = triton_kernel("attention", q, k, v) if few and d == dv and triton_here(q) and (
         q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) else None
     if kern is not None:
         # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped
@@ -778,7 +780,9 @@ def decode_attention(q, k, v, lengths, *, scale: float, allowed=None):
     split-K kernel of ops/triton_decode.py over each sequence's valid slots. Else (and under a selection,
     `allowed`) every sequence's scores over all C slots in two batched GEMMs, the slots past its length (or not
     selected) masked; GQA folded into the query axis; [B, Hkv, C, D] keys make k^T a view, so nothing is copied."""
-    kern = triton_kernel("decode", q, k, v) if allowed is None and triton_here(q) and (
+    # (one head dim for keys and values, as for the compose attention's kernel: MLA's D != Dv goes the GEMMs, untested
+    # in the kernel)
+    kern = triton_kernel("decode", q, k, v) if allowed is None and q.shape[-1] == v.shape[-1] and triton_here(q) and (
         q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) else None
     if kern is not None:
         try:
