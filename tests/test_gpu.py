@@ -6,6 +6,7 @@ On every machine: the GPU modules import cleanly (fla and triton are optional th
 """
 
 import importlib
+import importlib.util
 
 import pytest
 import torch
@@ -975,6 +976,35 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+def test_triton_attention_other_value_dim_in_interpreter():
+    """The compose attention kernel with key and value head dims that differ (MLA: 24 / 16, and 32 / 16, 16 / 32), at
+    its own block widths and at one width for both (`same_width`, the candidate fix for the fault the H200 showed
+    there, run 92): in Triton's interpreter equal to the reference to fp32 rounding, so the kernel's index arithmetic
+    is right and the fault is in what the GPU compiler makes of it."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from hypic.ops.triton_attention import position_attention
+from hypic.ops.reference.attention import position_attention as ref
+g = torch.Generator().manual_seed(0)
+for d, dv in ((24, 16), (32, 16), (16, 32)):
+    q, k, v = torch.randn(20, 4, d, generator=g), torch.randn(30, 2, d, generator=g), torch.randn(30, 2, dv, generator=g)
+    qp, kp = torch.arange(10, 30), torch.arange(30)
+    r = ref(q, k, v, qp, kp, scale=0.3)
+    for same in (False, True):
+        o = position_attention(q, k, v, qp, kp, scale=0.3, same_width=same)
+        assert float((o - r).abs().max()) < 1e-5, (d, dv, same)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 def _parallel_against_one_rank(parallel):
     """A cold PIC request in bf16 on CUDA with segment-parallel workers against the one-rank CUDA engine (the workers

@@ -114,12 +114,15 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
                        block_m: int | None = None, block_n: int = 64, splits: int | None = None, warps: int | None = None,
-                       stages: int | None = None):
+                       stages: int | None = None, same_width: bool = False):
     """q [Nq, H, D], k [Nk, Hkv, D], v [Nk, Hkv, Dv] (one dtype), q_pos [Nq], k_pos [Nk] int64 ->
     [Nq, H, Dv] in q's dtype. sorted_keys: k_pos is non-decreasing (each row block walks
     only the prefix of keys it may see, in a pipelined loop). No host sync (CUDA-graph safe): the split count comes from
     the shapes. Block sizes, warps, stages: the fastest of gpu_check's run-13 timings (256 queries x 33k
-    keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter."""
+    keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter.
+    Key and value head dims that differ (MLA) made the compiled kernel fault on the H200 (twenty-eighth session;
+    right in the interpreter), so ops/fast.py does not call it for them. same_width: one block width for both
+    (the larger), the candidate fix, since equal widths ran; untested on a GPU (benchmarks/attn_probe.py --same-width)."""
     interp = not q.is_cuda
     block_m = block_m or (16 if interp else 128)
     warps = warps or 8
@@ -137,9 +140,12 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     acc = q.new_empty((splits, hkv, nrows, dv), dtype=torch.float32)
     m = q.new_empty((splits, hkv, nrows), dtype=torch.float32)
     l = torch.empty_like(m)
+    bd, bdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    if same_width:
+        bd = bdv = max(bd, bdv)
     _partial_kernel[(mblocks, hkv, splits)](
         q, k, v, q_pos, k_pos, acc, m, l, nq, nk, per, per // block_n, scale, H=h, HKV=hkv, REP=rep, D=d, DV=dv,
-        BD=max(16, triton.next_power_of_2(d)), BDV=max(16, triton.next_power_of_2(dv)), BM=block_m, BN=block_n,
+        BD=bd, BDV=bdv, BM=block_m, BN=block_n,
         SORTED=sorted_keys, STAGES=stages if sorted_keys else 1, num_warps=warps,
         num_stages=stages)
     w = torch.exp(m - m.amax(0, keepdim=True))                   # splits a row cannot see: m = -inf, w = 0
