@@ -33,7 +33,7 @@ from .norm import ScaledRMSNorm
 def lightning_slopes(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:
     """Per-head decay rates [H] (transformers' MiniMaxLightningAttention.get_slope_rate)."""
     base = 1 / (2 ** (8 / num_heads))
-    rate = base ** (torch.arange(num_heads, dtype=torch.float32) + 1)
+    rate = base ** (torch.arange(num_heads, dtype=torch.float32, device="cpu") + 1)    # (not meta: moved at first use)
     return rate * (1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5)
 
 
@@ -61,7 +61,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     else:
         p = 2 ** math.floor(math.log2(num_heads))
         slopes = power_of_2(p) + alibi_slopes(2 * p).tolist()[0::2][: num_heads - p]
-    return torch.tensor(slopes, dtype=torch.float32)
+    return torch.tensor(slopes, dtype=torch.float32, device="cpu")          # (not meta: moved at first use)
 
 
 def ring_slopes(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:

@@ -61,7 +61,7 @@ class RecurrentGemmaForCausalLM(CausalLM):
         super().__init__(cfg, Backbone(cfg, ops, DecoderLayer, p.rotary_dim, p.rope_parameters,
                                        norm_name="final_norm", norm=norm))
         # sqrt(hidden) as transformers holds it: a bf16 number (50.5 for 2,560, not 50.596)
-        self.normalizer = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.bfloat16))
+        self.normalizer = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.bfloat16, device="cpu"))   # (not meta)
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
