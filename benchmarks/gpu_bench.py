@@ -705,10 +705,11 @@ def main():
     ctx = args.segments * args.seg_len + args.query
     p = cfg.params
     n_attn = sum(1 for t in cfg.layer_types if t == "full_attention")
-    n_lin = cfg.num_layers - n_attn
-    attn_flops = n_attn * 4 * active * ctx * p.num_attention_heads * p.head_dim
-    compose_flops = n_lin * args.segments * 2 * p.linear_num_value_heads * p.linear_key_head_dim ** 2 * (
-        p.linear_value_head_dim + p.linear_key_head_dim)
+    # (other families than the 35B's: the attention's width where the config names it, and each linear layer's chain
+    # as dense [K, K] maps on its state's [H, K, V], an upper bound for the diagonal and scalar forms)
+    attn_flops = n_attn * 4 * active * ctx * getattr(p, "num_attention_heads", 0) * (getattr(p, "head_dim", 0) or 0)
+    compose_flops = sum(args.segments * 2 * h * k * k * (v + k) for h, k, v in
+                        (m.state_shape for m in model.mixers.values() if hasattr(m, "state_shape")))
     flops = 2 * active_per_token * active + attn_flops + compose_flops
     read = p_bytes + entry_bytes
     floor = max(read / bw, flops / rate)
