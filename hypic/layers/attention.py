@@ -118,7 +118,13 @@ class AttentionMixer(nn.Module):
         q, k_raw, v, extra = self.project(x, batch)
         q = self.place_queries(q, batch.positions, batch)
         st.append(batch.static.rows, self.place_keys(k_raw, batch.positions, batch), v, batch.positions)
-        return self.output(x, self.ops.decode_attention(q, st.k, st.v, st.n, scale=self.scale), extra)
+        allowed = self.static_selection(x, batch, extra, st)
+        return self.output(x, self.ops.decode_attention(q, st.k, st.v, st.n, scale=self.scale, allowed=allowed), extra)
+
+    def static_selection(self, x, batch, extra, st: StaticKV):
+        """A decode step's selection of each row's slots ([R, C] bool) on top of its valid ones, after the step's
+        key went in; None: every valid slot (indexed attention selects, layers/indexed.py)."""
+        return None
 
     # -- the fixed-buffer compose pass (runtime/compose_graph.py) ---------------------------------------
     graph_compose = True

@@ -219,7 +219,7 @@ class _IndexedForward:
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.static is not None:
-            return self._forward_static_indexed(x, batch)
+            return self._forward_static(x, batch)
         if batch.captured is not None:
             raise RuntimeError("indexed attention composes on the planned paths only")
         q, k_raw, v, extra = self.project(x, batch)
@@ -243,21 +243,14 @@ class _IndexedForward:
             return self.no_tokens(x)
         return self.output(x, out, extra)
 
-    def _forward_static_indexed(self, x, batch):
-        """A decode step over fixed buffers (runtime/decode.py): the indexer's raw key and the attention's key into
-        their rows, the selection from each row's raw keys (`select_rows`), the attention over the row's valid
-        slots under it; no host sync."""
+    def static_selection(self, x, batch, extra, st):
+        """A decode step over fixed buffers (AttentionMixer._forward_static): the indexer's raw key into its rows,
+        then the selection from each row's raw keys (`select_rows`) over the attention's slots; no host sync."""
         ix = self.indexer
-        rows, pos = batch.static.rows, batch.positions
-        ist, st = batch.static.layers[ix.layer_idx], batch.static.layers[self.layer_idx]
-        q, k_raw, v, extra = self.project(x, batch)
         iq, ik, iv, _ = ix.project(x, batch)
-        ist.append(rows, ik, iv, pos)
-        st.append(rows, self.place_keys(k_raw, pos, batch), v, pos)
-        allowed = ix.select_rows(ix.queries(x, iq, batch, extra), pos, ist, st.pos)
-        out = self.ops.decode_attention(self.place_queries(q, pos, batch), st.k, st.v, st.n, scale=self.scale,
-                                        allowed=allowed)
-        return self.output(x, out, extra)
+        ist = batch.static.layers[ix.layer_idx]
+        ist.append(batch.static.rows, ik, iv, batch.positions)
+        return ix.select_rows(ix.queries(x, iq, batch, extra), batch.positions, ist, st.pos)
 
 
 class IndexedAttention(_IndexedForward, GatedAttention):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compose.transition import Form
+from ..compose.transition import Form, augment
 from ..config import ModelConfig
 from .linear import LinearMixer, dense_summary_kernel
 from .norm import SigmoidGatedRMSNorm
@@ -88,10 +88,8 @@ class KimiDeltaAttention(LinearMixer):
             # recurrent call gives each run's outputs from zero, its readout u (the appended columns' outputs) and its
             # [S | T]; no host read (cu may be on the device: the captured pass). The transitions stay dense here
             # (factored_runs is False)
-            r, dv = cu.shape[0] - 1, v.shape[-1]
-            eye = torch.eye(self.d, device=v.device).expand(r, self.h, self.d, self.d)
-            init0 = torch.cat([eye.new_zeros(r, self.h, self.d, dv), eye], dim=-1)
-            va = torch.cat([v, v.new_zeros(v.shape[:-1] + (self.d,))], dim=-1)
+            dv = v.shape[-1]
+            va, init0 = augment(v, torch.zeros(cu.shape[0] - 1, self.h, self.d, dv, device=v.device), self.d)
             o, final = self.ops.recurrent_kda(q[None], k[None], va[None], f["g"][None, idx], f["beta"][None, idx],
                                               initial_state=init0, output_final_state=True, cu_seqlens=cu,
                                               use_qk_l2norm_in_kernel=True)

@@ -72,12 +72,12 @@ class Engine:
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(tok.eos_token_ids if tok else ())
         # sliding windows (rings) and indexed attention (a selection per step) decode over fixed buffers, but compose
         # on the planned paths: the fixed-buffer compose attention takes no window or selection
-        mixers = self.model.mixers.values()
-        windowed = any(getattr(m, "window", 0) or getattr(m, "planned_only", False) for m in mixers)
+        planned_compose = any(getattr(m, "window", 0) or getattr(m, "planned_only", False)
+                              for m in self.model.mixers.values())
         mode = config.decode_mode
         self.decoder = None if mode == "dynamic" else StaticDecoder(
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=mode == "graph")
-        cmode = "eager" if windowed else config.compose_mode
+        cmode = "eager" if planned_compose else config.compose_mode
         self.composer = None if cmode == "eager" else GraphCompose(
             self.model, self.device, self.model.lm_head.weight.dtype, graphs=cmode == "graph",
             pieces=config.compose_pieces, first_piece=config.compose_first_piece)
