@@ -74,20 +74,31 @@ def main():
     want = torch.cat([ref(q[i:i + 64].float(), k.float(), v.float(), qpos[i:i + 64], kpos, scale=scale)
                       for i in range(0, NP, 64)])                       # in pieces: [16, 64, 33k] fp32 scores each
     rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
-    # (rows per block, keys per block, warps, stages, splits; None: the kernel's rule, ~2 programs per SM)
-    cfgs = [(128, 64, 8, 2, None), (128, 64, 8, 2, 16), (128, 64, 8, 2, 32), (128, 64, 8, 2, 4),
-            (64, 64, 4, 2, None), (64, 64, 4, 2, 32), (64, 64, 4, 3, None), (64, 64, 8, 2, None),
-            (128, 32, 8, 2, None), (128, 32, 8, 3, None), (64, 32, 4, 3, None), (128, 128, 8, 1, None),
-            (128, 64, 4, 2, None), (256, 64, 8, 2, None)]
+    # (rows per block, keys per block, warps, stages, splits; None: the kernel's rule, ~2 programs per SM), then the
+    # kernel's forms (ops/triton_attention.py FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT) at the default launch: "old" is
+    # the kernel before the twenty-ninth session (every block masked, the splits folded by PyTorch ops)
+    old = dict(full_fast=False, fused_fold=False, balance=False, vsplit=1)
+    new = dict(full_fast=True, fused_fold=True, balance=False, vsplit=1)
+    cfgs = [(128, 64, 8, 2, None, "old", old), (128, 64, 8, 2, None, "default", new),
+            (128, 64, 8, 2, None, "masked blocks", dict(new, full_fast=False)),
+            (128, 64, 8, 2, None, "fold by torch", dict(new, fused_fold=False)),
+            (128, 64, 8, 2, None, "balanced", dict(new, balance=True)),
+            (128, 64, 8, 2, None, "vsplit 2", dict(new, vsplit=2)),
+            (128, 64, 8, 2, None, "balanced, vsplit 2", dict(new, balance=True, vsplit=2)),
+            (128, 64, 8, 2, 16, "balanced", dict(new, balance=True)),
+            (128, 64, 8, 3, None, "default", new), (128, 128, 8, 2, None, "default", new),
+            (64, 64, 4, 2, None, "default", new), (128, 32, 8, 3, None, "default", new),
+            (128, 64, 8, 2, 16, "default", new), (128, 64, 8, 2, 32, "balanced", dict(new, balance=True))]
     if not cuda:
-        cfgs = [(16, 16, 4, 1, None), (16, 16, 4, 1, 3)]
+        cfgs = [(16, 16, 4, 1, None, "old", old), (16, 16, 4, 1, None, "default", new),
+                (16, 16, 4, 1, 3, "balanced, vsplit 2", dict(new, balance=True, vsplit=2))]
     rows = []
-    for bm, bn, w, st, sp in cfgs:
-        row = dict(block_m=bm, block_n=bn, warps=w, stages=st, splits=sp)
+    for bm, bn, w, st, sp, form, kw in cfgs:
+        row = dict(block_m=bm, block_n=bn, warps=w, stages=st, splits=sp, form=form)
 
-        def launch(bm=bm, bn=bn, w=w, st=st, sp=sp):
+        def launch(bm=bm, bn=bn, w=w, st=st, sp=sp, kw=kw):
             return ta.position_attention(q, k, v, qpos, kpos, scale=scale, sorted_keys=True, block_m=bm, block_n=bn,
-                                         splits=sp, warps=w, stages=st)
+                                         splits=sp, warps=w, stages=st, **kw)
         got = first_launch(launch, cuda, row, rows)
         if got is None:
             if row["fault"]:
@@ -97,13 +108,13 @@ def main():
         row["ok"] = row["rel"] < 2e-2
         row.update(launch_times(launch, args.reps, cuda))
         rows.append(row)
-        print(f"{(bm, bn, w, st, sp)}: {row['us']:8.1f} us (min {row['us_min']:.1f}); rel {row['rel']:.1e}"
+        print(f"{(bm, bn, w, st, sp)} {form}: {row['us']:8.1f} us (min {row['us_min']:.1f}); rel {row['rel']:.1e}"
               f"{'' if row['ok'] else '  WRONG'}", flush=True)
-    print("\n| rows per block | keys per block | warps | stages | splits | us per call (median) | check |")
-    print("|---:|---:|---:|---:|---|---:|---|")
+    print("\n| rows per block | keys per block | warps | stages | splits | form | us per call (median) | check |")
+    print("|---:|---:|---:|---:|---|---|---:|---|")
     for r in rows:
         cell = f"{r['us']:.1f} | {'ok' if r['ok'] else 'WRONG'}" if "us" in r else f"not built | {r['error'][:50]}"
-        print(f"| {r['block_m']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['splits'] or 'rule'} | {cell} |")
+        print(f"| {r['block_m']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['splits'] or 'rule'} | {r['form']} | {cell} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"

@@ -62,6 +62,15 @@ def flagged(mod, name: str, value):
         setattr(mod, name, old)
 
 
+@contextlib.contextmanager
+def flags(mod, **values):
+    """Several switches of one module set for the block, restored after it."""
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            stack.enter_context(flagged(mod, name, value))
+        yield
+
+
 def timed(fn, reps: int, warm: int = 1):
     for _ in range(warm):
         fn()
@@ -361,6 +370,14 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
     if _ts is not None:             # each chain step's map loaded during the step before it (twenty-third session)
         variants += [("scan_prefetch", flag(_ts, "PREFETCH", True), {})]
+    try:
+        from hypic.ops import triton_attention as _ta
+    except ImportError:
+        _ta = None
+    if _ta is not None:             # the compose attention's forms (twenty-ninth session; ops/triton_attention.py)
+        variants += [("attention_before_29th", lambda: flags(_ta, FULL_FAST=False, FUSED_FOLD=False), {}),
+                     ("attention_balanced", flag(_ta, "BALANCE", True), {}),
+                     ("attention_vsplit_2", flag(_ta, "VSPLIT", 2), {})]
     from hypic.runtime import compose_graph as _cg
 
     # the graph in one piece (the whole fill, then one launch, as before run 34); a short first piece

@@ -1006,6 +1006,49 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+def test_triton_attention_forms_in_interpreter():
+    """The compose attention kernel's forms (ops/triton_attention.py: key blocks every row sees walked unmasked, the
+    splits folded by a kernel, each row block's visible prefix split evenly, the value columns over two programs) on
+    the compose pass's layout (sorted keys, seam queries at segment starts, a query tail, pads at position 0, unseen
+    bucket keys), at key blocks of 16 so that whole blocks precede each row block's first seam: each equal to the
+    reference to fp32 rounding (1e-5), and unsorted keys through the fold and the value split alike."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import itertools, torch
+from hypic.ops.triton_attention import position_attention
+from hypic.ops.reference.attention import position_attention as ref
+g = torch.Generator().manual_seed(0)
+seg, nseg, seam, ql = 40, 5, 3, 7
+qpos = [i * seg + j for i in range(nseg) for j in range(seam)] + list(range(nseg * seg, nseg * seg + ql)) + [0] * 4
+kpos = list(range(nseg * seg + ql)) + [1 << 62] * 13
+qp, kp = torch.tensor(qpos), torch.tensor(kpos)
+for d, dv, h, hkv in ((32, 32, 4, 2), (24, 16, 4, 1)):
+    q = torch.randn(len(qpos), h, d, generator=g)
+    k = torch.randn(len(kpos), hkv, d, generator=g)
+    v = torch.randn(len(kpos), hkv, dv, generator=g)
+    r = ref(q, k, v, qp, kp, scale=0.3)
+    for ff, bal, vs, sp in [(ff, bal, vs, 3) for ff, bal, vs in itertools.product((False, True), (False, True),
+                                                                                     (1, 2))] + [(True, False, 1, None)]:
+        o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, full_fast=ff, fused_fold=True,
+                               balance=bal, vsplit=vs, splits=sp, block_n=16)
+        assert float((o - r).abs().max()) < 1e-5, (d, dv, ff, bal, vs, sp)
+    o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, fused_fold=False, block_n=16)
+    assert float((o - r).abs().max()) < 1e-5, (d, dv, "fold by torch")
+    perm = torch.randperm(len(kpos), generator=g)
+    for fold, vs in ((False, 1), (True, 2)):
+        o = position_attention(q, k[perm], v[perm], qp, kp[perm], scale=0.3, fused_fold=fold, vsplit=vs, splits=3)
+        assert float((o - r).abs().max()) < 1e-5, (d, dv, fold, vs)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def _parallel_against_one_rank(parallel):
     """A cold PIC request in bf16 on CUDA with segment-parallel workers against the one-rank CUDA engine (the workers
     draw the preset's weights from its seed on their own GPU, so the CUDA engine's weights, not the CPU's). Bound:

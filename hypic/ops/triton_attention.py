@@ -51,11 +51,50 @@ def _block(qb, qp, m_i, l_i, acc, k, v, kpos, cols, n1, hk, scale, d, dv, HKV: t
 
 
 @triton.jit
-def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_split, blocks, scale,
+def _block_full(qb, m_i, l_i, acc, k, v, cols, hk, scale, d, dv, HKV: tl.constexpr, D: tl.constexpr,
+                DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+    """A block of keys every row of the program may see (FULL_FAST): no position mask, no position loads, and no
+    bounds mask on the loads where the block widths are the head dims."""
+    kr = cols.to(tl.int64)
+    if BD == D:
+        kb = tl.load(k + (kr * HKV + hk)[:, None] * D + d[None, :])
+    else:
+        kb = tl.load(k + (kr * HKV + hk)[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0)
+    s = tl.dot(qb, tl.trans(kb)) * scale
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DV % BDV == 0:
+        vb = tl.load(v + (kr * HKV + hk)[:, None] * DV + dv[None, :])
+    else:
+        vb = tl.load(v + (kr * HKV + hk)[:, None] * DV + dv[None, :], mask=(dv < DV)[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _first_above(kpos, n, pos):
+    """Sorted key positions: the first index in [0, n) whose position is above pos (n if none)."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(kpos + mid) <= pos:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_split, blocks, n_splits, scale,
                     H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                     BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    SORTED: tl.constexpr, STAGES: tl.constexpr):
-    pid_m = tl.program_id(0)
+                    SORTED: tl.constexpr, STAGES: tl.constexpr, FULL_FAST: tl.constexpr, BALANCE: tl.constexpr,
+                    VSPLIT: tl.constexpr):
+    pid_m = tl.program_id(0) // VSPLIT
+    vh = tl.program_id(0) % VSPLIT                     # which BDV columns of the values this program sums
     hk = tl.program_id(1)
     sp = tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM)                 # folded rows: query * REP + head in group
@@ -65,7 +104,7 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
     qp = tl.load(qpos + qi, mask=row_ok, other=-1)
     qmax = tl.max(qp, axis=0)
     d = tl.arange(0, BD)
-    dv = tl.arange(0, BDV)
+    dv = vh * BDV + tl.arange(0, BDV)
     qb = tl.load(q + (qi.to(tl.int64) * H + head)[:, None] * D + d[None, :], mask=row_ok[:, None] & (d < D)[None, :],
                  other=0.0)
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -76,21 +115,31 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
     if SORTED:
         # key positions non-decreasing: the rows see a prefix of the keys; its end by binary search, and
         # the split walks only its part of that prefix (nothing past it is loaded)
-        lo = 0
-        hi = Nk
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if tl.load(kpos + mid) <= qmax:
-                lo = mid + 1
-            else:
-                hi = mid
-        n1 = tl.minimum(n1, lo)
-        if STAGES > 1:                                   # a pipelined loop (the interpreter cannot range over it)
-            for it in tl.range(0, tl.cdiv(n1 - n0, BN), num_stages=STAGES):
-                m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, n0 + it * BN + tl.arange(0, BN), n1,
+        seen = _first_above(kpos, Nk, qmax)
+        if BALANCE:                                      # the prefix in n_splits equal parts, whatever its length
+            per = tl.cdiv(tl.cdiv(seen, n_splits), BN) * BN
+            n0 = sp * per
+            n1 = tl.minimum(n0 + per, seen)
+        else:
+            n1 = tl.minimum(n1, seen)
+        nf = n0                                          # [n0, nf): whole blocks every row sees
+        if FULL_FAST:
+            qmin = tl.min(tl.where(row_ok, qp, qmax), axis=0)
+            every = _first_above(kpos, seen, qmin)
+            nf = n0 + tl.maximum(tl.minimum(n1, every) - n0, 0) // BN * BN
+        if STAGES > 1:                                   # pipelined loops (the interpreter cannot range over them)
+            for it in tl.range(0, (nf - n0) // BN, num_stages=STAGES):
+                m_i, l_i, acc = _block_full(qb, m_i, l_i, acc, k, v, n0 + it * BN + tl.arange(0, BN), hk, scale, d,
+                                            dv, HKV, D, DV, BD, BDV)
+            for it in tl.range(0, tl.cdiv(n1 - nf, BN), num_stages=STAGES):
+                m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, nf + it * BN + tl.arange(0, BN), n1,
                                        hk, scale, d, dv, HKV, D, DV)
         else:
             n = n0
+            while n < nf:
+                m_i, l_i, acc = _block_full(qb, m_i, l_i, acc, k, v, n + tl.arange(0, BN), hk, scale, d, dv, HKV, D,
+                                            DV, BD, BDV)
+                n += BN
             while n < n1:
                 m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, n + tl.arange(0, BN), n1, hk, scale, d,
                                        dv, HKV, D, DV)
@@ -108,18 +157,64 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
     base = (sp * HKV + hk).to(tl.int64) * nrows
     out_rows = base + rows
     tl.store(acc_out + out_rows[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv < DV)[None, :])
-    tl.store(m_out + out_rows, m_i, mask=row_ok)
-    tl.store(l_out + out_rows, l_i, mask=row_ok)
+    tl.store(m_out + out_rows, m_i, mask=row_ok & (vh == 0))
+    tl.store(l_out + out_rows, l_i, mask=row_ok & (vh == 0))
+
+
+@triton.jit
+def _fold_kernel(acc, m, l, out, nrows, splits, H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr,
+                 DV: tl.constexpr, BR: tl.constexpr, BDV: tl.constexpr):
+    """The splits' partial outputs folded (log-sum-exp weights) and written as [Nq, H, Dv] in out's dtype: program
+    (row block, kv head, value block)."""
+    hk = tl.program_id(1)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    dv = tl.program_id(2) * BDV + tl.arange(0, BDV)
+    ok = rows < nrows
+    mo = ok[:, None] & (dv < DV)[None, :]
+    mx = tl.full([BR], float("-inf"), tl.float32)
+    s = 0
+    while s < splits:
+        mx = tl.maximum(mx, tl.load(m + (s * HKV + hk).to(tl.int64) * nrows + rows, mask=ok, other=float("-inf")))
+        s += 1
+    mx = tl.where(mx == float("-inf"), 0.0, mx)         # (a row no split saw: no row of the compose pass)
+    den = tl.zeros([BR], tl.float32)
+    o = tl.zeros([BR, BDV], tl.float32)
+    s = 0
+    while s < splits:
+        at = (s * HKV + hk).to(tl.int64) * nrows + rows
+        w = tl.exp(tl.load(m + at, mask=ok, other=float("-inf")) - mx)      # a split that saw nothing: m = -inf, 0
+        den += w * tl.load(l + at, mask=ok, other=0.0)
+        o += w[:, None] * tl.load(acc + at[:, None] * DV + dv[None, :], mask=mo, other=0.0)
+        s += 1
+    o = o / tl.where(ok, den, 1.0)[:, None]
+    qi = rows // REP
+    head = hk * REP + rows % REP
+    tl.store(out + (qi.to(tl.int64) * H + head)[:, None] * DV + dv[None, :], o.to(out.dtype.element_ty), mask=mo)
+
+
+# The compose attention's forms, timed side by side by gpu_bench's variants and attention_bench (twenty-ninth
+# session): FULL_FAST, key blocks every row of a program sees walked without the position mask; FUSED_FOLD, the
+# splits folded by one kernel instead of ~6 PyTorch ops over the [splits, Hkv, rows, Dv] fp32 partials; BALANCE, each
+# row block's visible prefix cut into the splits evenly (instead of fixed key ranges, most of them past a seam row
+# block's prefix); VSPLIT, the value columns over that many programs (smaller accumulators, the scores computed
+# in each)
+FULL_FAST = True
+FUSED_FOLD = True
+BALANCE = False
+VSPLIT = 1
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
                        block_m: int | None = None, block_n: int = 64, splits: int | None = None, warps: int | None = None,
-                       stages: int | None = None, same_width: bool = False):
+                       stages: int | None = None, same_width: bool = False, full_fast: bool | None = None,
+                       fused_fold: bool | None = None, balance: bool | None = None, vsplit: int | None = None):
     """q [Nq, H, D], k [Nk, Hkv, D], v [Nk, Hkv, Dv] (one dtype), q_pos [Nq], k_pos [Nk] int64 ->
     [Nq, H, Dv] in q's dtype. sorted_keys: k_pos is non-decreasing (each row block walks
     only the prefix of keys it may see, in a pipelined loop). No host sync (CUDA-graph safe): the split count comes from
     the shapes. Block sizes, warps, stages: the fastest of gpu_check's run-13 timings (256 queries x 33k
     keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter.
+    full_fast, fused_fold, balance, vsplit (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT): the forms
+    named there; full_fast and balance act on sorted keys only.
     Key and value head dims that differ (MLA) made the compiled kernel fault on the H200 (twenty-eighth session;
     right in the interpreter), so ops/fast.py does not call it for them. same_width: one block width for both
     (the larger), the candidate fix, since equal widths ran; untested on a GPU (benchmarks/attn_probe.py --same-width)."""
@@ -127,6 +222,10 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     block_m = block_m or (16 if interp else 128)
     warps = warps or 8
     stages = stages or (1 if interp else 2)
+    full_fast = FULL_FAST if full_fast is None else full_fast
+    fused_fold = FUSED_FOLD if fused_fold is None else fused_fold
+    balance = (BALANCE if balance is None else balance) and sorted_keys
+    vsplit = VSPLIT if vsplit is None else vsplit
     nq, h, d = q.shape
     nk, (hkv, dv) = k_pos.shape[0], v.shape[1:]
     rep = h // hkv
@@ -134,20 +233,29 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     nrows = nq * rep
     mblocks = triton.cdiv(nrows, block_m)
     if splits is None:                 # about two programs per SM, each walking at least four key blocks
-        splits = max(1, min(triton.cdiv(2 * _sm_count(q.device), mblocks * hkv), triton.cdiv(nk, 4 * block_n)))
+        splits = max(1, min(triton.cdiv(2 * _sm_count(q.device), mblocks * hkv * vsplit),
+                            triton.cdiv(nk, 4 * block_n)))
     per = triton.cdiv(triton.cdiv(nk, splits), block_n) * block_n
-    splits = triton.cdiv(nk, per)
+    if not balance:                    # (balanced, each program cuts its row block's prefix in `splits` itself)
+        splits = triton.cdiv(nk, per)
     acc = q.new_empty((splits, hkv, nrows, dv), dtype=torch.float32)
     m = q.new_empty((splits, hkv, nrows), dtype=torch.float32)
     l = torch.empty_like(m)
-    bd, bdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    bd = max(16, triton.next_power_of_2(d))
+    bdv = max(16, triton.next_power_of_2(triton.cdiv(dv, vsplit)))
     if same_width:
         bd = bdv = max(bd, bdv)
-    _partial_kernel[(mblocks, hkv, splits)](
-        q, k, v, q_pos, k_pos, acc, m, l, nq, nk, per, per // block_n, scale, H=h, HKV=hkv, REP=rep, D=d, DV=dv,
-        BD=bd, BDV=bdv, BM=block_m, BN=block_n,
-        SORTED=sorted_keys, STAGES=stages if sorted_keys else 1, num_warps=warps,
-        num_stages=stages)
+    _partial_kernel[(mblocks * vsplit, hkv, splits)](
+        q, k, v, q_pos, k_pos, acc, m, l, nq, nk, per, per // block_n, splits, scale, H=h, HKV=hkv, REP=rep, D=d,
+        DV=dv, BD=bd, BDV=bdv, BM=block_m, BN=block_n,
+        SORTED=sorted_keys, STAGES=stages if sorted_keys else 1, FULL_FAST=full_fast and sorted_keys,
+        BALANCE=balance, VSPLIT=vsplit, num_warps=warps, num_stages=stages)
+    if fused_fold:
+        out = q.new_empty((nq, h, dv))
+        br, bf = 16, min(128, max(16, triton.next_power_of_2(dv)))
+        _fold_kernel[(triton.cdiv(nrows, br), hkv, triton.cdiv(dv, bf))](
+            acc, m, l, out, nrows, splits, H=h, HKV=hkv, REP=rep, DV=dv, BR=br, BDV=bf, num_warps=4)
+        return out
     w = torch.exp(m - m.amax(0, keepdim=True))                   # splits a row cannot see: m = -inf, w = 0
     out = (acc * w[..., None]).sum(0) / (l * w).sum(0)[..., None]   # [Hkv, Nq * rep, Dv]
     return out.view(hkv, nq, rep, dv).permute(1, 0, 2, 3).reshape(nq, h, dv).to(q.dtype)
