@@ -78,17 +78,15 @@ def main():
     # kernel's forms (ops/triton_attention.py FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT) at the default launch: "old" is
     # the kernel before the twenty-ninth session (every block masked, the splits folded by PyTorch ops)
     old = dict(full_fast=False, fused_fold=False, balance=False, vsplit=1)
-    new = dict(full_fast=True, fused_fold=True, balance=False, vsplit=1)
+    new = dict(full_fast=True, fused_fold=True, balance=True, vsplit=1)
     cfgs = [(128, 64, 8, 2, None, "old", old), (128, 64, 8, 2, None, "default", new),
             (128, 64, 8, 2, None, "masked blocks", dict(new, full_fast=False)),
             (128, 64, 8, 2, None, "fold by torch", dict(new, fused_fold=False)),
-            (128, 64, 8, 2, None, "balanced", dict(new, balance=True)),
+            (128, 64, 8, 2, None, "unbalanced", dict(new, balance=False)),
             (128, 64, 8, 2, None, "vsplit 2", dict(new, vsplit=2)),
-            (128, 64, 8, 2, None, "balanced, vsplit 2", dict(new, balance=True, vsplit=2)),
-            (128, 64, 8, 2, 16, "balanced", dict(new, balance=True)),
-            (128, 64, 8, 3, None, "default", new), (128, 128, 8, 2, None, "default", new),
-            (64, 64, 4, 2, None, "default", new), (128, 32, 8, 3, None, "default", new),
-            (128, 64, 8, 2, 16, "default", new), (128, 64, 8, 2, 32, "balanced", dict(new, balance=True))]
+            (128, 64, 8, 2, 16, "default", new), (128, 64, 8, 2, 32, "default", new),
+            (128, 64, 8, 2, 8, "default", new), (64, 64, 4, 2, None, "default", new),
+            (128, 32, 8, 3, None, "default", new), (128, 32, 8, 2, None, "default", new)]
     if not cuda:
         cfgs = [(16, 16, 4, 1, None, "old", old), (16, 16, 4, 1, None, "default", new),
                 (16, 16, 4, 1, 3, "balanced, vsplit 2", dict(new, balance=True, vsplit=2))]

@@ -375,8 +375,9 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     except ImportError:
         _ta = None
     if _ta is not None:             # the compose attention's forms (twenty-ninth session; ops/triton_attention.py)
-        variants += [("attention_before_29th", lambda: flags(_ta, FULL_FAST=False, FUSED_FOLD=False), {}),
-                     ("attention_balanced", flag(_ta, "BALANCE", True), {}),
+        variants += [("attention_before_29th", lambda: flags(_ta, FULL_FAST=False, FUSED_FOLD=False, BALANCE=False),
+                      {}),
+                     ("attention_unbalanced", flag(_ta, "BALANCE", False), {}),
                      ("attention_vsplit_2", flag(_ta, "VSPLIT", 2), {})]
     from hypic.runtime import compose_graph as _cg
 

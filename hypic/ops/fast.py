@@ -680,9 +680,9 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, contiguous: bool 
     few = h * nq * nk * 4 <= _SCORES_BYTES
     # (fp32 stays on the explicit path: the kernel's products are tf32 on the GPU; so does autograd: the
     # kernel has no backward)
-    # (keys and values of one head dim only: with D != Dv (MLA: Kimi-Linear's 24 / 16) the kernel faulted on the
-    # H200, twenty-eighth session's probe; SDPA takes those)
-    kern = triton_kernel("attention", q, k, v) if few and d == dv and triton_here(q) and (
+    # (D != Dv, MLA: Kimi-Linear's 24 / 16, at one block width for both: at their own widths the kernel faulted on
+    # the H200, twenty-eighth session; ops/triton_attention.py)
+    kern = triton_kernel("attention", q, k, v) if few and triton_here(q) and (
         q.dtype in (torch.bfloat16, torch.float16) or INTERPRETED) else None
     if kern is not None:
         # one kernel: no [H, Nq, Nk] scores in memory, key blocks no query may see skipped

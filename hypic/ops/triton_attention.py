@@ -192,21 +192,23 @@ def _fold_kernel(acc, m, l, out, nrows, splits, H: tl.constexpr, HKV: tl.constex
     tl.store(out + (qi.to(tl.int64) * H + head)[:, None] * DV + dv[None, :], o.to(out.dtype.element_ty), mask=mo)
 
 
-# The compose attention's forms, timed side by side by gpu_bench's variants and attention_bench (twenty-ninth
-# session): FULL_FAST, key blocks every row of a program sees walked without the position mask; FUSED_FOLD, the
-# splits folded by one kernel instead of ~6 PyTorch ops over the [splits, Hkv, rows, Dv] fp32 partials; BALANCE, each
-# row block's visible prefix cut into the splits evenly (instead of fixed key ranges, most of them past a seam row
-# block's prefix); VSPLIT, the value columns over that many programs (smaller accumulators, the scores computed
-# in each)
+# The compose attention's forms (twenty-ninth session), timed side by side by gpu_bench's variants and attention_bench:
+# FULL_FAST, key blocks every row of a program sees walked without the position mask; FUSED_FOLD, the splits folded
+# by one kernel instead of ~6 PyTorch ops over the [splits, Hkv, rows, Dv] fp32 partials; BALANCE, each row block's
+# visible prefix cut into the splits evenly (fixed key ranges left most programs of a seam row block, whose prefix is
+# short, nothing to do, and the query's row blocks walking whole ranges); VSPLIT, the value columns over that many
+# programs (smaller accumulators, the scores computed in each). H100 (twenty-ninth session, attention_bench at the
+# 35B warm request's shape): 564 us before, 497 with FULL_FAST and FUSED_FOLD, 420 with BALANCE too; VSPLIT 2 638
+# (off). In the warm request (gpu_bench, paired): the first two -0.86 ms, BALANCE another -0.49 ms.
 FULL_FAST = True
 FUSED_FOLD = True
-BALANCE = False
+BALANCE = True
 VSPLIT = 1
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
                        block_m: int | None = None, block_n: int = 64, splits: int | None = None, warps: int | None = None,
-                       stages: int | None = None, same_width: bool = False, full_fast: bool | None = None,
+                       stages: int | None = None, same_width: bool | None = None, full_fast: bool | None = None,
                        fused_fold: bool | None = None, balance: bool | None = None, vsplit: int | None = None):
     """q [Nq, H, D], k [Nk, Hkv, D], v [Nk, Hkv, Dv] (one dtype), q_pos [Nq], k_pos [Nk] int64 ->
     [Nq, H, Dv] in q's dtype. sorted_keys: k_pos is non-decreasing (each row block walks
@@ -215,9 +217,10 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter.
     full_fast, fused_fold, balance, vsplit (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT): the forms
     named there; full_fast and balance act on sorted keys only.
-    Key and value head dims that differ (MLA) made the compiled kernel fault on the H200 (twenty-eighth session;
-    right in the interpreter), so ops/fast.py does not call it for them. same_width: one block width for both
-    (the larger), the candidate fix, since equal widths ran; untested on a GPU (benchmarks/attn_probe.py --same-width)."""
+    Key and value head dims that differ (MLA: Kimi-Linear's 24 / 16) made the compiled kernel fault at their own block
+    widths (H200, twenty-eighth session; right in the interpreter); at one block width for both, the larger, it runs
+    (H100, twenty-ninth session: 24 / 16, 32 / 16, 16 / 32, benchmarks/attn_probe.py --same-width). same_width (None:
+    where the dims differ) picks that."""
     interp = not q.is_cuda
     block_m = block_m or (16 if interp else 128)
     warps = warps or 8
@@ -243,7 +246,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     l = torch.empty_like(m)
     bd = max(16, triton.next_power_of_2(d))
     bdv = max(16, triton.next_power_of_2(triton.cdiv(dv, vsplit)))
-    if same_width:
+    same = d != dv if same_width is None else same_width
+    if same:
         bd = bdv = max(bd, bdv)
     _partial_kernel[(mblocks * vsplit, hkv, splits)](
         q, k, v, q_pos, k_pos, acc, m, l, nq, nk, per, per // block_n, splits, scale, H=h, HKV=hkv, REP=rep, D=d,
