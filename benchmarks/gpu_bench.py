@@ -368,6 +368,12 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("last_layer_all_rows", flag(_base, "PRUNE_LAST_LAYER", False), {})]  # before the 28th session
     if _tr is not None:
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
+    try:
+        from hypic.ops import triton_moe as _tm
+    except ImportError:
+        _tm = None
+    if _tm is not None:             # the MoE's k rows and shared expert combined by PyTorch ops (before the 29th session)
+        variants += [("moe_combine_by_torch", flag(_tm, "COMBINE_KERNEL", False), {})]
     if _ts is not None:             # each chain step's map loaded during the step before it (twenty-third session)
         variants += [("scan_prefetch", flag(_ts, "PREFETCH", True), {})]
     try:

@@ -134,6 +134,13 @@ def test_grouped_experts_equal_reference(dtype):
     c1 = fast.experts_forward(x, weights, experts, gate_up, down, 1.0)
     assert (c1.float() - c0.float()).norm() / c0.float().norm() < (1e-5 if dtype is torch.float32 else 1e-2)
     assert (c0.float() - y0.float()).norm() / y0.float().norm() > 0.1
+    # a shared expert's output, gated by a sigmoid, added by the combine (Qwen's MoE blocks)
+    scale = float(y0.float().abs().mean())                          # (the shared output as large as the routed one)
+    shared = (torch.randn(n, 1, generator=g).to(dtype), (torch.randn(n, hd, generator=g) * scale).to(dtype))
+    s0 = ref.experts_forward(x, weights, experts, gate_up, down, shared=shared)
+    s1 = fast.experts_forward(x, weights, experts, gate_up, down, shared=shared)
+    assert (s1.float() - s0.float()).norm() / s0.float().norm() < (1e-5 if dtype is torch.float32 else 1e-2)
+    assert (s0.float() - y0.float()).norm() / y0.float().norm() > 0.1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -73,12 +73,15 @@ class SparseMoe(nn.Module):
 
     def forward(self, x):
         weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk)
-        y = self.ops.experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
         se = self.shared_expert
         if se.gate_proj.bias is not None or se.up_proj.bias is not None:
-            return y + torch.sigmoid(self.shared_expert_gate(x)) * se(x)
-        gate, up, sg = self.shared_in(x)
-        return y + torch.sigmoid(sg) * se.down_proj(F.silu(gate) * up)
+            shared = (self.shared_expert_gate(x), se(x))
+        else:
+            gate, up, sg = self.shared_in(x)
+            shared = (sg, se.down_proj(F.silu(gate) * up))
+        # y + sigmoid(gate) * out, added by the experts' combine (one kernel on the fast backend's few-rows path)
+        return self.ops.experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
+                                        shared=shared)
 
 
 class TopKMoe(nn.Module):

@@ -848,10 +848,11 @@ def _sort_by_expert(flat, e: int, few: bool):
     return order, offs
 
 
-def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None):
+def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None, shared=None):
     """Tokens sorted by expert; the Triton kernel for few rows per expert, else two grouped GEMMs; a
     deterministic combine (no atomics). `limit` (clamped SwiGLU inputs): the grouped GEMMs with the clamps between
-    them (the Triton kernel does not clamp)."""
+    them (the Triton kernel does not clamp). shared: (gate, out) of a shared expert, added as sigmoid(gate) * out (in
+    the few-rows kernel's combine, in fp32 with the routed rows, rounded once)."""
     n, k = experts.shape
     e = gate_up.shape[0]
     few = (MOE_FEW_ROWS and limit is None and n * k <= FEW_ROWS_PER_EXPERT * e and triton_here(x)
@@ -861,22 +862,22 @@ def experts_forward(x, weights, experts, gate_up, down, limit: float | None = No
     # capture failed on it (H200 run 77), so an fp32 decode step must stay on the kernel
     other = x.dtype == torch.float64 or (x.is_cuda and x.dtype != torch.bfloat16) or not _grouped_dims(gate_up, down)
     if other and not few:
-        return ref.experts_forward(x, weights, experts, gate_up, down, limit)
+        return ref.experts_forward(x, weights, experts, gate_up, down, limit, shared)
     flat = experts.reshape(-1)
     order, offs = _sort_by_expert(flat, e, few)
     if few:
         kern = triton_kernel("moe", x)
         if kern is not None:
             try:
-                return kern(x, weights, experts, gate_up, down, order, offs)
+                return kern(x, weights, experts, gate_up, down, order, offs, shared=shared)
             except Exception as err:
                 kernel_failed("moe", err)
     if other:
-        return ref.experts_forward(x, weights, experts, gate_up, down, limit)
+        return ref.experts_forward(x, weights, experts, gate_up, down, limit, shared)
     xs = x[order // k]
     gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     ys = torch._grouped_mm(ref.clamped_swiglu(gate, up, limit), down.transpose(1, 2), offs=offs)     # [n*k, H]
-    return _combine(ys, order, weights, x.dtype)
+    return ref.with_shared(_combine(ys, order, weights, x.dtype), shared)
 
 
 def _combine(ys, order, weights, dtype):

@@ -11,8 +11,10 @@ weight rows through its K loop, with the expert's few token rows as the narrow s
     gate_up   program (expert e, column block nb): acc_g, acc_u [BN, BM] over H; h = silu(g) * u
               written in sorted order (bf16 rows [n*k, I])
     down      program (expert e, column block nb): acc [BN, BM] over I, times each row's routing
-              weight, written at the row's own place (token t, choice j) -> ys [n, k, H]; the caller
-              sums the k rows of each token (no atomics: the sum's order is fixed)
+              weight, written at the row's own place (token t, choice j) -> ys [n, k, H]
+    combine   program (token t, column block): its k rows summed in fp32 in a fixed order (no atomics),
+              plus a shared expert's output times the sigmoid of its gate where the layer has one,
+              rounded once to the output dtype (two to five PyTorch launches per layer before)
 
 An expert with more than BM rows takes several passes over its weight tile (the second from L2). The
 tile sizes, warps and pipeline depth are picked per shape by timing a few configurations on the first
@@ -25,7 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference.moe import with_shared
 from .tuning import tuned_config
+
+# the combine by one kernel (twenty-ninth session); False: a sum over the k rows, a cast, and the shared expert's
+# sigmoid, product and sum by PyTorch ops (gpu_bench's variant moe_combine_by_torch)
+COMBINE_KERNEL = True
 
 
 @triton.jit
@@ -98,6 +105,44 @@ def _down_kernel(h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H: tl.constex
         m0 += BM
 
 
+@triton.jit
+def _combine_kernel(ys, sg, so, out, s_so, s_sg, H: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                    BH: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = cols < H
+    row = ys + (t * TOPK).to(tl.int64) * H + cols
+    acc = tl.zeros([BH], tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(row + j * H, mask=m, other=0.0).to(tl.float32)
+    if SHARED:
+        g = tl.load(sg + t.to(tl.int64) * s_sg).to(tl.float32)
+        acc += tl.sigmoid(g) * tl.load(so + t.to(tl.int64) * s_so + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + t.to(tl.int64) * H + cols, acc.to(out.dtype.element_ty), mask=m)
+
+
+def combine(ys: torch.Tensor, k: int, shared=None) -> torch.Tensor:
+    """ys [n * k, H] (token t's k rows at t * k .. t * k + k - 1, each already times its routing weight) -> [n, H] in
+    ys' dtype: each token's k rows summed in fp32, plus sigmoid(gate) * out of a shared expert (shared: (gate [n, 1],
+    out [n, H]) or None), rounded once."""
+    nk, hd = ys.shape
+    n = nk // k
+    ys = ys.contiguous()
+    out = ys.new_empty((n, hd))
+    if shared is not None:
+        sg, so = shared
+        if so.stride(-1) != 1:
+            so = so.contiguous()
+        args = (sg, so, so.stride(0), sg.stride(0))
+    else:
+        args = (ys, ys, 0, 0)
+    bh = min(1024, triton.next_power_of_2(hd))
+    if n:
+        _combine_kernel[(n, triton.cdiv(hd, bh))](ys, args[0], args[1], out, args[2], args[3], H=hd, TOPK=k,
+                                                 SHARED=shared is not None, BH=bh, num_warps=4)
+    return out
+
+
 # (BM, BN, BK, warps, stages) per kernel, tried on a shape's first eager call; the first is the default
 _CONFIGS = {
     "gate_up": ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 64, 256, 8, 3), (32, 64, 128, 4, 3),
@@ -118,14 +163,16 @@ def _bucket(rows: int) -> int:
     return 1 << max(0, (rows - 1).bit_length())
 
 
-def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: bool = True, configs=None):
+def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: bool = True, configs=None,
+                     shared=None):
     """The routed experts' sum for token rows already sorted by expert (fast.experts_forward's layout).
 
     x [n, H]; weights [n, k] (routing weights); experts [n, k]; gate_up [E, 2I, H] (gate rows first);
     down [E, H, I]; order [n*k]: row r of the sorted layout is choice order[r] (= t * k + j); offs [E]
     int32: expert e's rows end at offs[e] (inclusive cumulative counts). -> y [n, H] in x's dtype,
     y_t = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = experts[t, j].
-    configs: (gate_up config, down config) to use instead of the tuned ones (tests, benchmarks)."""
+    configs: (gate_up config, down config) to use instead of the tuned ones (tests, benchmarks).
+    shared: (gate [n, 1], out [n, H]) of a shared expert, added as sigmoid(gate) * out (`combine`)."""
     n, k = experts.shape
     e, i2, hd = gate_up.shape
     i = i2 // 2
@@ -165,5 +212,7 @@ def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: b
         cd = (_tuned(("down", e, hd, i, k, rows_b, x.dtype), x.device, down_launch, ys, "down") if tune
               else _CONFIGS["down"][0])
     down_launch(cd)
-    # each token's k rows summed in fp32, rounded once
-    return ys.view(n, k, hd).sum(1, dtype=torch.float32).to(x.dtype)
+    # each token's k rows summed in fp32 (and the shared expert's output added), rounded once
+    if COMBINE_KERNEL:
+        return combine(ys, k, shared)
+    return with_shared(ys.view(n, k, hd).sum(1, dtype=torch.float32).to(x.dtype), shared)

@@ -30,16 +30,26 @@ def clamped_swiglu(gate, up, limit: float | None):
     return F.silu(gate) * up
 
 
-def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None):
+def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None, shared=None):
     """sum_k weights[:, k] * down_e(silu(gate_e x) * up_e x), looping over the experts in use; `limit`: the SwiGLU's
-    inputs clamped (clamped_swiglu)."""
+    inputs clamped (clamped_swiglu); shared: (gate [N, 1], out [N, H]) of a shared expert, sigmoid(gate) * out added
+    (`with_shared`)."""
     out = torch.zeros_like(x)
     for e in experts.unique().tolist():
         tok, slot = torch.where(experts == e)
         gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
         y = F.linear(clamped_swiglu(gate, up, limit), down[e]) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
-    return out
+    return with_shared(out, shared)
+
+
+def with_shared(y, shared):
+    """The routed experts' y plus a shared expert's output times the sigmoid of its gate (shared: (gate, out)), as
+    Qwen's MoE blocks add it; y itself without one."""
+    if shared is None:
+        return y
+    gate, out = shared
+    return y + torch.sigmoid(gate) * out
 
 
 def experts_forward_plain(x, weights, experts, up, down, act: str = "relu2"):
