@@ -451,6 +451,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers (a quick run); 0: the real 40")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-prefix", action="store_true", help="no prefix-caching rows (they need ~20 GB beside the 35B)")
     ap.add_argument("--quick", action="store_true", help="only the warm pic request, readout walk vs 3-phase walk")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of a warm pic request and a full prefill")
     ap.add_argument("--decode-steps", type=int, default=16)
@@ -667,46 +668,49 @@ def main():
     rag["pic_warm_all_s"] = warm_ts
     rag["pic_counts"] = counts
     print(f"pic warm TTFT: {rag['pic_warm_s'] * 1e3:.1f} ms {counts}", flush=True)
-    llm.set_policy("prefix", 0)
-    ttft(Prompt(segments=[segs[i] for i in order_a], query=query))          # populate the prefix cache
-    pre_ts = []
-    for r in range(args.reps):
-        order = [0] + random.Random(100 + r).sample(order_a[1:], args.segments - 1)
-        dt, o = ttft(Prompt(segments=[segs[i] for i in order], query=query))
-        pre_ts.append(dt)
-        rag["prefix_counts"] = dict(prefix=o.prefix_tokens, recomputed=o.recomputed_tokens)
-    rag["prefix_s"], rag["prefix_all_s"] = statistics.median(pre_ts), pre_ts
-    print(f"prefix TTFT: {rag['prefix_s'] * 1e3:.0f} ms {rag['prefix_counts']} (each: "
-          f"{', '.join(f'{t * 1e3:.0f}' for t in pre_ts)} ms)", flush=True)
-    # the same requests with a chain of long spans through the phased walk (layers/linear.py LONG_CHAINS_PHASED),
-    # interleaved with the default (rounds) on fresh orders, paired by round
-    from hypic.layers import linear as _linear
+    if args.skip_prefix:                # (an 80 GB card: the prefix cache beside the 35B model does not fit)
+        rag["prefix_s"] = float("nan")
+    else:
+        llm.set_policy("prefix", 0)
+        ttft(Prompt(segments=[segs[i] for i in order_a], query=query))          # populate the prefix cache
+        pre_ts = []
+        for r in range(args.reps):
+            order = [0] + random.Random(100 + r).sample(order_a[1:], args.segments - 1)
+            dt, o = ttft(Prompt(segments=[segs[i] for i in order], query=query))
+            pre_ts.append(dt)
+            rag["prefix_counts"] = dict(prefix=o.prefix_tokens, recomputed=o.recomputed_tokens)
+        rag["prefix_s"], rag["prefix_all_s"] = statistics.median(pre_ts), pre_ts
+        print(f"prefix TTFT: {rag['prefix_s'] * 1e3:.0f} ms {rag['prefix_counts']} (each: "
+              f"{', '.join(f'{t * 1e3:.0f}' for t in pre_ts)} ms)", flush=True)
+        # the same requests with a chain of long spans through the phased walk (layers/linear.py LONG_CHAINS_PHASED),
+        # interleaved with the default (rounds) on fresh orders, paired by round
+        from hypic.layers import linear as _linear
 
-    pairs = []
-    try:                 # a variant not yet run on the GPU: a failure must not cost the rest of the device call
-        for r in range(args.reps if DEV == "cuda" else 0):            # (off CUDA the flag changes nothing)
-            row = {}
-            for name, on in (("rounds", False), ("long_chains_phased", True)):
-                order = [0] + random.Random(300 + 2 * r + on).sample(order_a[1:], args.segments - 1)
-                with flagged(_linear, "LONG_CHAINS_PHASED", on):
-                    row[name] = ttft(Prompt(segments=[segs[i] for i in order], query=query))[0]
-            pairs.append(row)
-    except Exception:
-        import traceback
-
-        traceback.print_exc()
         pairs = []
-    rag["prefix_long_chains"] = pairs
-    if pairs:                  # medians of each way and of the paired difference
-        rag["prefix_long_chains_medians_s"] = med = (
-            statistics.median(p["rounds"] for p in pairs), statistics.median(p["long_chains_phased"] for p in pairs),
-            statistics.median(p["long_chains_phased"] - p["rounds"] for p in pairs))
-        print(f"prefix TTFT, interleaved: rounds {med[0] * 1e3:.0f} ms, long chains phased {med[1] * 1e3:.0f} ms; "
-              f"paired median {med[2] * 1e3:+.0f} ms", flush=True)
-    if args.profile:   # a prefix request that misses after its first segment (profile() runs it twice: the first
-        # run would make the second a full prefix hit, so the profiled one takes an order of its own)
-        orders = iter([[0] + random.Random(200 + k).sample(order_a[1:], args.segments - 1) for k in range(2)])
-        profile("prefix request", lambda: ttft(Prompt(segments=[segs[i] for i in next(orders)], query=query)))
+        try:                 # a variant not yet run on the GPU: a failure must not cost the rest of the device call
+            for r in range(args.reps if DEV == "cuda" else 0):            # (off CUDA the flag changes nothing)
+                row = {}
+                for name, on in (("rounds", False), ("long_chains_phased", True)):
+                    order = [0] + random.Random(300 + 2 * r + on).sample(order_a[1:], args.segments - 1)
+                    with flagged(_linear, "LONG_CHAINS_PHASED", on):
+                        row[name] = ttft(Prompt(segments=[segs[i] for i in order], query=query))[0]
+                pairs.append(row)
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            pairs = []
+        rag["prefix_long_chains"] = pairs
+        if pairs:                  # medians of each way and of the paired difference
+            rag["prefix_long_chains_medians_s"] = med = (
+                statistics.median(p["rounds"] for p in pairs), statistics.median(p["long_chains_phased"] for p in pairs),
+                statistics.median(p["long_chains_phased"] - p["rounds"] for p in pairs))
+            print(f"prefix TTFT, interleaved: rounds {med[0] * 1e3:.0f} ms, long chains phased {med[1] * 1e3:.0f} ms; "
+                  f"paired median {med[2] * 1e3:+.0f} ms", flush=True)
+        if args.profile:   # a prefix request that misses after its first segment (profile() runs it twice: the first
+            # run would make the second a full prefix hit, so the profiled one takes an order of its own)
+            orders = iter([[0] + random.Random(200 + k).sample(order_a[1:], args.segments - 1) for k in range(2)])
+            profile("prefix request", lambda: ttft(Prompt(segments=[segs[i] for i in next(orders)], query=query)))
     llm.set_policy("full", 0)
     p_full = Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)
     rag["full_s"] = timed(lambda: ttft(p_full), args.reps)[0]
