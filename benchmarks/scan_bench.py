@@ -15,6 +15,10 @@ The warm `pic` request's chain per linear layer: 20 seam runs of 8 tokens, each 
                  time is the scan alone, `pair_us` the product (the fourteenth session's `pairs` composed them inside
                  the step instead and lost to its register pressure)
 
+    lowrank      the prepaired chain with the pairs made from the runs' low-rank factors
+                 (T_r = g I - Kd^T W, S_r = Kd^T U: `ops/triton_scan.pair_lowrank`, [S_e + P U | g T_e - P W] with P = T_e Kd^T; twenty-ninth session),
+                 each block-rows / warps configuration timed apart and checked against the dense pairs in fp64
+
 (Runs 54-55 also timed, at git 4a0a8c6, a seam run and the segment after it as one step and the state held
 transposed: both slower, removed; their rows are in benchmarks/results/gpu/scan_bench_run5{4,5}.json.)
 --wide: the 16-warp configurations. Each form is checked against the fp64 chain (1e-5 relative, as tests/test_gpu.py) and timed by CUDA events over
@@ -48,13 +52,16 @@ def chain(dev):
     init = torch.randn(1, H, K, V, device=dev, generator=g)
     T = torch.randn(E, H, K, K, device=dev, generator=g) / K ** .5 * .9
     S = torch.randn(E, H, K, V, device=dev, generator=g)
-    S_r = torch.randn(n, H, K, V, device=dev, generator=g)
     F = torch.zeros(n, H, 2 * W + 1, K, device=dev)
     lens = [L] * E + [QLEN] * QRUNS
     for i, ln in enumerate(lens):
         F[i, :, :ln] = torch.randn(H, ln, K, device=dev, generator=g) / K ** .5 * .4
         F[i, :, W:W + ln] = torch.randn(H, ln, K, device=dev, generator=g) / K ** .5 * .4
     F[:, :, 2 * W, 0] = 0.9 + 0.1 * torch.rand(n, H, device=dev, generator=g)
+    U = torch.zeros(n, H, W, V, device=dev)             # a run's S = Kd^T U (its WY-solved values; `lowrank`)
+    for i, ln in enumerate(lens):
+        U[i, :, :ln] = torch.randn(H, ln, V, device=dev, generator=g)
+    S_r = F[:, :, :W].transpose(-1, -2) @ U
     from hypic.ops.reference.gated_delta import factors_to_dense
 
     dense = factors_to_dense(S_r, F).contiguous()
@@ -69,7 +76,7 @@ def chain(dev):
             acc += lens[m - E]
     outs = torch.randn(acc, H, V + K, device=dev, generator=g)
     return dict(init=init, T=T, S=S, S_r=S_r, F=F, dense=dense, order=order, t0s=t0s, lens=lens, outs=outs, n=n,
-                T_hi=T_hi, T_lo=T_lo)
+                T_hi=T_hi, T_lo=T_lo, U=U)
 
 
 def pair_maps(c, out=None):
@@ -86,13 +93,13 @@ def pair_maps(c, out=None):
 def tables(c, form, dev):
     """The chain's step table for a form (its columns as `scan_steps` documents them) and cu."""
     t0s, lens = c["t0s"], c["lens"]
-    if form in ("dense", "prepaired"):                   # a run's (or a pair's) [S | T] at its offset
+    if form in ("dense", "prepaired", "lowrank"):        # a run's (or a pair's) [S | T] at its offset
         run_row = lambda m: [(m - E) * H * K * (V + K) * 4] * 2  # noqa: E731
     else:                                                # a run's factors, then its S
         run_row = lambda m: [(m - E) * H * (2 * W + 1) * K * 4, (m - E) * H * K * V * 4]  # noqa: E731
     rows = []
     for m in c["order"]:
-        if m < E and form == "prepaired":                # composed into the run before it
+        if m < E and form in ("prepaired", "lowrank"):   # composed into the run before it
             continue
         if m < E and form == "split":                    # T's tf32 part at column 0, the rest at column 6
             rows.append([c["T_hi"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0, c["T_lo"][m].data_ptr()])
@@ -130,13 +137,40 @@ def main():
     rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
     forms = {"dense": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)], "factored": [(32, 8, 2), (32, 8, 1)],
              "split": [(32, 8, 1), (16, 4, 1), (32, 4, 1), (16, 8, 1), (64, 8, 1)],
-             "prepaired": [(32, 8, 2), (32, 8, 1)]}
+             "prepaired": [(32, 8, 2), (32, 8, 1)], "lowrank": [(32, 8, 2), (32, 8, 1)]}
     if args.wide:              # 16 warps: T [128 x 128] at 32 registers per thread instead of 64 (run 31 saw a fault
         forms = {"dense": [(32, 16, 2), (32, 16, 1), (64, 16, 1)]}       # in the factored form with 16 warps)
     torch.backends.cuda.matmul.allow_tf32 = False      # pair_maps at full fp32 precision
     paired = pair_maps(c)
     pair_t = launch_times(lambda: pair_maps(c, paired), args.reps, dev.type == "cuda")
     print(f"pair_maps: {pair_t['us']:.1f} us (min {pair_t['us_min']:.1f}) per layer", flush=True)
+    # the pairs from the runs' low-rank factors (ops/triton_scan.pair_lowrank), each block-rows / warps tried
+    pairs_t = torch.tensor([[c["T"][i].data_ptr(), c["S"][i].data_ptr(), i, 0] for i in range(E)]
+                           + [[0, 0, i, 0] for i in range(E, c["n"])], dtype=torch.int64, device=dev)
+    lowrank = torch.empty_like(c["dense"])
+    lr_rows = []
+    lr_cfgs = ((32, 4, "ieee"), (16, 4, "ieee"), (64, 8, "ieee"), (32, 8, "ieee"), (32, 4, "tf32x3"),
+               (64, 8, "tf32x3")) if dev.type == "cuda" else ((16, 4, "ieee"),)
+    for br, w, prec in lr_cfgs:
+        def pl(br=br, w=w, prec=prec):
+            return ts.pair_lowrank(pairs_t, c["F"], c["U"], lowrank, block_rows=br, warps=w, precision=prec)
+        try:
+            pl()
+            t = launch_times(pl, args.reps, dev.type == "cuda")
+        except Exception as e:                            # a build the device cannot run: its row says so
+            lr_rows.append(dict(block_rows=br, warps=w, precision=prec, error=f"{type(e).__name__}: {str(e)[:120]}"))
+            print(lr_rows[-1], flush=True)
+            continue
+        want_lr = torch.cat([c["T"].double() @ c["dense"][:E, ..., :V].double() + c["S"].double(),
+                             c["T"].double() @ c["dense"][:E, ..., V:].double()], -1)
+        lr_rel = rel(lowrank[:E], want_lr)
+        lr_rows.append(dict(block_rows=br, warps=w, precision=prec, us=t["us"], us_min=t["us_min"], rel=lr_rel,
+                            query_rel=rel(lowrank[E:], c["dense"][E:].double())))
+        print(f"pair_lowrank (rows {br}, warps {w}, {prec}): {t['us']:.1f} us (min {t['us_min']:.1f}) per layer; "
+              f"rel {lr_rel:.1e}", flush=True)
+    br, w, prec = lr_cfgs[0]                              # the chain below reads the fp32 (ieee) pairs
+    ts.pair_lowrank(pairs_t, c["F"], c["U"], lowrank, block_rows=br, warps=w, precision=prec)
+    lr_best = min((r["us"] for r in lr_rows if "us" in r), default=None)
     rows, t_start = [], time.time()
     for form, cfgs in forms.items():
         if any(r.get("fault") for r in rows):          # the CUDA context is lost: nothing more can run
@@ -147,14 +181,16 @@ def main():
 
             def launch(o=got, steps=steps, cu=cu, cfg=cfg, form=form):
                 kw = dict(outputs=o, max_run=QLEN, bv=cfg[0], warps=cfg[1], stages=cfg[2])
-                if form in ("dense", "prepaired"):
-                    maps = paired if form == "prepaired" else c["dense"]
+                if form in ("dense", "prepaired", "lowrank"):
+                    maps = {"prepaired": paired, "lowrank": lowrank}.get(form, c["dense"])
                     return ts.scan_steps(c["init"], steps, cu, maps, E + c["n"], **kw)[1]
                 return ts.scan_steps(c["init"], steps, cu, c["S_r"], E + c["n"], factors=c["F"], split=form == "split",
                                      **kw)[1]
             row = dict(form=form, config=list(cfg), steps=int(steps.shape[0]))
             if form == "prepaired":
                 row["pair_us"] = pair_t["us"]
+            if form == "lowrank":
+                row["pair_us"] = lr_best
             final = first_launch(launch, dev.type == "cuda", row, rows)
             if final is None:
                 if row["fault"]:
@@ -181,13 +217,15 @@ def main():
             print(f"| {r['form']} | {tuple(r['config'])} | {r['steps']} | not built: {r['error'][:60]} | | | |")
     best = {f: min((r["us"] for r in rows if r["form"] == f and r.get("ok")), default=None) for f in forms}
     print("best per form (us):", best, f"({time.time() - t_start:.0f} s); prepaired + pair_maps:",
-          None if best.get("prepaired") is None else round(best["prepaired"] + pair_t["us"], 1))
+          None if best.get("prepaired") is None else round(best["prepaired"] + pair_t["us"], 1), "; lowrank + "
+          "pair_lowrank:",
+          None if best.get("lowrank") is None or lr_best is None else round(best["lowrank"] + lr_best, 1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)"
     (out / "scan_bench.json").write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), device=name,
                                                           torch=torch.__version__, rows=rows, best=best,
-                                                          pair_maps_us=pair_t["us"]), indent=1))
+                                                          pair_maps_us=pair_t["us"], pair_lowrank=lr_rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -1053,6 +1053,58 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+def test_triton_pair_lowrank_in_interpreter():
+    """Seam runs composed with the cached map after them from the runs' low-rank factors (ops/triton_scan.pair_lowrank,
+    the next scan candidate of docs/gpu-notes.md): runs of 5, 8 and 16 tokens summarized by the reference recurrence
+    from [0 | I] (their dense [S | T]), their factors by reference `run_factors` and U by the same triangular system;
+    [S_e + P U | g T_e - P W] equal to T_e [S_r | T_r] + [S_e | 0] in fp64 to fp32 rounding (1e-5), and a run with no
+    cached map after it to its own [S_r | T_r]."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import math, torch
+from hypic.ops.triton_scan import pair_lowrank
+from hypic.ops.reference.gated_delta import recurrent_gated_delta_summary, run_factors, factors_to_dense, _ut_system
+g = torch.Generator().manual_seed(0)
+H, K, V, WF = 2, 32, 16, 16
+lens = [5, 8, 16]
+n = sum(lens)
+k = torch.nn.functional.normalize(torch.randn(1, n, H, K, generator=g), dim=-1)
+q = torch.randn(1, n, H, K, generator=g)
+v = torch.randn(1, n, H, V, generator=g)
+gl = torch.empty(1, n, H).uniform_(math.log(0.5), 0, generator=g)
+beta = torch.rand(1, n, H, generator=g)
+cu = torch.tensor([0] + lens).cumsum(0)
+_, _, dense = recurrent_gated_delta_summary(q, k, v, gl, beta, cu_seqlens=cu)      # [R, H, K, V + K] fp32
+F = run_factors(k, gl, beta, cu, WF)
+U = torch.zeros(len(lens), H, WF, V)
+for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+    kk, gg, bb = k[0, a:b].transpose(0, 1), gl[0, a:b].transpose(0, 1), beta[0, a:b].transpose(0, 1)
+    _, _, system = _ut_system(kk[None], gg[None], bb[None])
+    U[i, :, : b - a] = torch.linalg.solve_triangular(system[0], bb[..., None] * v[0, a:b].transpose(0, 1), upper=False,
+                                                     unitriangular=True)
+Te = torch.randn(2, H, K, K, generator=g) / K ** .5
+Se = torch.randn(2, H, K, V, generator=g)
+pairs = torch.tensor([[Te[0].data_ptr(), Se[0].data_ptr(), 0, 0], [Te[1].data_ptr(), Se[1].data_ptr(), 2, 0],
+                      [0, 0, 1, 0]])
+out = torch.zeros(len(lens), H, K, V + K)
+pair_lowrank(pairs, F, U, out)
+d = dense.double()
+want = [torch.cat([Te[0].double() @ d[0, ..., :V] + Se[0].double(), Te[0].double() @ d[0, ..., V:]], -1),
+        d[1], torch.cat([Te[1].double() @ d[2, ..., :V] + Se[1].double(), Te[1].double() @ d[2, ..., V:]], -1)]
+for i in range(3):
+    err = float((out[i].double() - want[i]).abs().max() / want[i].abs().max())
+    assert err < 1e-5, (i, err)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def _parallel_against_one_rank(parallel):
     """A cold PIC request in bf16 on CUDA with segment-parallel workers against the one-rank CUDA engine (the workers
     draw the preset's weights from its seed on their own GPU, so the CUDA engine's weights, not the CPU's). Bound:

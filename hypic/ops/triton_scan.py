@@ -450,3 +450,65 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
         cfg = _tuned((form + "+correct", r, h, k, v, precision), init.device, trial, cfg, final)
     launch(cfg)
     return before, final
+
+
+@triton.jit
+def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
+                         BR: tl.constexpr, PREC: tl.constexpr):
+    """Program (pair row p, head h, block of BR rows of the map): rows of [c | M] = [S_e + P U | g T_e - P W],
+    P = T_e Kd^T (T_e = I, S_e = 0 where the row names no cached map)."""
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.program_id(2) * BR + tl.arange(0, BR)
+    row = pairs + p.to(tl.int64) * 4
+    tv = tl.load(row)
+    sv = tl.load(row + 1)
+    i = tl.load(row + 2)                                  # the run's factors, U and output slot
+    kk = tl.arange(0, K)
+    vv = tl.arange(0, V)
+    ww = tl.arange(0, WF)
+    fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
+    kd = tl.load(fb + ww[:, None] * K + kk[None, :])                                   # [WF, K]
+    wf = tl.load(fb + (WF + ww)[:, None] * K + kk[None, :])                            # [WF, K]
+    g = tl.load(fb + 2 * WF * K)
+    u = tl.load(U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V + vv[None, :])   # [WF, V]
+    cached = tv != 0
+    tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K)
+    sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V)
+    te = tl.load(tp + r[:, None] * K + kk[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, K]
+    se = tl.load(sp + r[:, None] * V + vv[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, V]
+    te = tl.where(cached, te, tl.where(r[:, None] == kk[None, :], 1.0, 0.0))
+    pk = tl.dot(te, tl.trans(kd), input_precision=PREC)                                # [BR, WF]
+    m = g * te - tl.dot(pk, wf, input_precision=PREC)
+    c = se + tl.dot(pk, u, input_precision=PREC)
+    ob = out + (i * H + h).to(tl.int64) * (K * (V + K)) + r[:, None] * (V + K)
+    tl.store(ob + vv[None, :], c, mask=(r < K)[:, None])
+    tl.store(ob + V + kk[None, :], m, mask=(r < K)[:, None])
+
+
+def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, out: torch.Tensor, *,
+                 block_rows: int = 32, warps: int = 4, precision: str | None = None) -> torch.Tensor:
+    """Seam runs composed with the cached segment after them from the runs' low-rank factors (an experiment:
+    benchmarks/scan_bench.py `lowrank`; no compose pass uses it yet, docs/gpu-notes.md "Twenty-ninth session").
+
+    A run of w <= WF tokens from zero has T_r = g I - Kd^T W and S_r = Kd^T U (factors [N, H, 2 WF + 1, K] as
+    reference `run_factors` lays them out, U [N, H, WF, V] the WY-solved values, rows past a run's length zero); the
+    cached map (T_e, S_e) after it makes the pair's map T_e T_r, T_e S_r + S_e, which is, with P = T_e Kd^T [K, WF],
+
+        [c | M] = [S_e + P U | g T_e - P W]
+
+    three thin products per row block instead of a dense [K, K] x [K, V + K] one. pairs [P, 4] int64 (device): (T_e
+    address, S_e address, run index i, 0) per pair, T_e [H, K, K] and S_e [H, K, V] fp32 contiguous; address 0: the run
+    alone (T_e = I, S_e = 0: its own dense [S_r | T_r]). Writes out[i] [H, K, V + K] (fp32, contiguous), where the
+    chain scan reads a run's [S | T]. precision: tl.dot's (default: "ieee", fp32 products, on CUDA and in the
+    interpreter alike)."""
+    n, h, rows, k = factors.shape
+    wf = (rows - 1) // 2
+    v = U.shape[-1]
+    if not (factors.is_contiguous() and U.is_contiguous() and out.is_contiguous() and U.shape == (n, h, wf, v)
+            and out.shape[1:] == (h, k, v + k) and out.dtype == torch.float32 and wf >= 16):
+        raise ValueError("factors [N, H, 2 WF + 1, K], U [N, H, WF, V], out [*, H, K, V + K] fp32 contiguous, WF >= 16")
+    if pairs.shape[0]:
+        _pair_lowrank_kernel[(pairs.shape[0], h, triton.cdiv(k, block_rows))](
+            pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=block_rows, PREC=precision or "ieee", num_warps=warps)
+    return out
