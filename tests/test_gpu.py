@@ -837,7 +837,8 @@ for n, k, ne, hd, inter in ((7, 3, 5, 64, 48), (40, 2, 4, 32, 16), (1, 2, 6, 48,
                  (triton_moe._CONFIGS["gate_up"][1], triton_moe._CONFIGS["down"][1])):
         y1 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, flat.argsort(stable=True), offs, configs=cfgs)
         assert rel(y1, y0) < 1e-6, (n, k, ne)
-    sg, so = torch.randn(n, 1), torch.randn(n, hd)                 # a shared expert's gate and output, combined too
+    sg, so = torch.randn(n, 5)[:, 3:4], torch.randn(n, hd)     # a shared expert's gate (a column of the joined
+                                                                 # GEMM's output, as the model passes it) and output
     y2 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, flat.argsort(stable=True), offs, shared=(sg, so))
     assert rel(y2, y0 + torch.sigmoid(sg.double()) * so.double()) < 1e-6, (n, k, ne)
 from hypic.ops import triton_route                    # the MoE's routing and its sort by expert
