@@ -1043,6 +1043,8 @@ for d, dv, h, hkv in ((32, 32, 4, 2), (24, 16, 4, 1)):
         assert float((o - r).abs().max()) < 1e-5, (d, dv, ff, bal, vs, sp)
     o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, fused_fold=False, block_n=16)
     assert float((o - r).abs().max()) < 1e-5, (d, dv, "fold by torch")
+    o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, vsplit=3, block_n=16)  # blocks past Dv
+    assert float((o - r).abs().max()) < 1e-5, (d, dv, "vsplit 3")
     perm = torch.randperm(len(kpos), generator=g)
     for fold, vs in ((False, 1), (True, 2)):
         o = position_attention(q, k[perm], v[perm], qp, kp[perm], scale=0.3, fused_fold=fold, vsplit=vs, splits=3)

@@ -52,9 +52,10 @@ def _block(qb, qp, m_i, l_i, acc, k, v, kpos, cols, n1, hk, scale, d, dv, HKV: t
 
 @triton.jit
 def _block_full(qb, m_i, l_i, acc, k, v, cols, hk, scale, d, dv, HKV: tl.constexpr, D: tl.constexpr,
-                DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                DV: tl.constexpr, BD: tl.constexpr, EVEN_V: tl.constexpr):
     """A block of keys every row of the program may see (FULL_FAST): no position mask, no position loads, and no
-    bounds mask on the loads where the block widths are the head dims."""
+    bounds mask on the loads where the blocks cover the head dims exactly (BD == D; EVEN_V: the value splits' blocks
+    tile Dv)."""
     kr = cols.to(tl.int64)
     if BD == D:
         kb = tl.load(k + (kr * HKV + hk)[:, None] * D + d[None, :])
@@ -65,7 +66,7 @@ def _block_full(qb, m_i, l_i, acc, k, v, cols, hk, scale, d, dv, HKV: tl.constex
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DV % BDV == 0:
+    if EVEN_V:
         vb = tl.load(v + (kr * HKV + hk)[:, None] * DV + dv[None, :])
     else:
         vb = tl.load(v + (kr * HKV + hk)[:, None] * DV + dv[None, :], mask=(dv < DV)[None, :], other=0.0)
@@ -130,7 +131,7 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
         if STAGES > 1:                                   # pipelined loops (the interpreter cannot range over them)
             for it in tl.range(0, (nf - n0) // BN, num_stages=STAGES):
                 m_i, l_i, acc = _block_full(qb, m_i, l_i, acc, k, v, n0 + it * BN + tl.arange(0, BN), hk, scale, d,
-                                            dv, HKV, D, DV, BD, BDV)
+                                            dv, HKV, D, DV, BD, BDV * VSPLIT == DV)
             for it in tl.range(0, tl.cdiv(n1 - nf, BN), num_stages=STAGES):
                 m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, nf + it * BN + tl.arange(0, BN), n1,
                                        hk, scale, d, dv, HKV, D, DV)
@@ -138,7 +139,7 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
             n = n0
             while n < nf:
                 m_i, l_i, acc = _block_full(qb, m_i, l_i, acc, k, v, n + tl.arange(0, BN), hk, scale, d, dv, HKV, D,
-                                            DV, BD, BDV)
+                                            DV, BD, BDV * VSPLIT == DV)
                 n += BN
             while n < n1:
                 m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, n + tl.arange(0, BN), n1, hk, scale, d,
