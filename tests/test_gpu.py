@@ -776,6 +776,13 @@ for bv, lmax in ((16, 16), (32, 16), (64, 40)):          # one chunk per run (16
         got = chunk_summary(q, k, v, g, beta, cu, lmax, use_qk_l2norm_in_kernel=True, block_v=bv, factors=True,
                             blocks_per_program=nb)
         assert got[3].shape == wf[3].shape and all(rel(a, b.double()) < 1e-6 for a, b in zip(got, wf)), (bv, nb)
+    # with the runs' WY-solved values U in S's place (reference run_values; S = Kd^T U)
+    from hypic.ops.reference.gated_delta import run_values
+    gv = chunk_summary(q, k, v, g, beta, cu, lmax, use_qk_l2norm_in_kernel=True, block_v=bv, factors=True, values=True)
+    wu = run_values(k, v, g, beta, cu, gv[3].shape[2] // 2, use_qk_l2norm_in_kernel=True)
+    w_ = (gv[3].shape[2] - 1) // 2
+    assert gv[2].shape == wu.shape and rel(gv[2], wu.double()) < 1e-6, bv
+    assert rel(gv[3][:, :, :w_].transpose(-1, -2) @ gv[2], wf[2].double()) < 1e-6, bv
 # the step-table scan with the runs' transitions factored, against the fp64 chain over their dense form
 from hypic.ops.reference.gated_delta import factors_to_dense
 S_r, F_r = wf[2].contiguous(), wf[3].contiguous()

@@ -109,11 +109,12 @@ def summary(q, k, v, g, beta, cu_seqlens, *, scale=None, use_qk_l2norm_in_kernel
 
 
 @triton.jit
-def _summary_columns(cb, r, hv, hk, q, k, v, o, final, fac, tok, rl, rk, mt, mk, nq, nk, G, GL, bt, Ti, P, kdec,
-                     s_q, s_k, s_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                     BL: tl.constexpr, PREC: tl.constexpr, FACTORS: tl.constexpr):
+def _summary_columns(cb, r, hv, hk, q, k, v, o, final, fac, uval, tok, rl, rk, mt, mk, nq, nk, G, GL, bt, Ti, P,
+                     kdec, s_q, s_k, s_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                     BL: tl.constexpr, PREC: tl.constexpr, FACTORS: tl.constexpr, VALUES: tl.constexpr):
     """Column block cb of [v | 0] and of the identity: right-hand sides beta v (-> U) and beta exp(G) k (-> W)
-    (the K columns are those of k, l2-normalised like Kx); their outputs, and S / T (or T's factors)."""
+    (the K columns are those of k, l2-normalised like Kx); their outputs, and S / T (or T's factors; with VALUES,
+    U instead of S: S = Kd^T U)."""
     cols = cb * BV + tl.arange(0, BV)
     is_v = cols < V
     kc = cols - V
@@ -135,8 +136,12 @@ def _summary_columns(cb, r, hv, hk, q, k, v, o, final, fac, tok, rl, rk, mt, mk,
     if FACTORS:
         # S (the value columns) [R, HV, K, V]; the transition as factors [R, HV, 2 BL + 1, K]: this block's K
         # columns of Kd = exp(G_L - G) k and of W (rows past the run: zero), and gamma = exp(G_L) in row 2 BL
-        off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * V + cols[None, :]
-        tl.store(final + off, fin, mask=mk[:, None] & is_v[None, :])
+        if VALUES:      # U [R, HV, BL, V] (rows past the run: zero, as its right-hand side's)
+            ub = uval + (r * HV + hv).to(tl.int64) * (BL * V)
+            tl.store(ub + rl[:, None] * V + cols[None, :], sol, mask=is_v[None, :])
+        else:
+            off = ((r * HV + hv).to(tl.int64) * K + rk[:, None]) * V + cols[None, :]
+            tl.store(final + off, fin, mask=mk[:, None] & is_v[None, :])
         fb = fac + (r * HV + hv).to(tl.int64) * ((2 * BL + 1) * K)
         tl.store(fb + rl[:, None] * K + kc[None, :], Kb * tl.exp(GL - G)[:, None], mask=is_k[None, :])
         tl.store(fb + (BL + rl)[:, None] * K + kc[None, :], sol, mask=is_k[None, :])
@@ -149,10 +154,10 @@ def _summary_columns(cb, r, hv, hk, q, k, v, o, final, fac, tok, rl, rk, mt, mk,
 
 
 @triton.jit
-def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, fac, s_q, s_k, s_v, scale, H: tl.constexpr,
+def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, fac, uval, s_q, s_k, s_v, scale, H: tl.constexpr,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           BL: tl.constexpr, SQUARINGS: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-                          FACTORS: tl.constexpr, NB: tl.constexpr):
+                          FACTORS: tl.constexpr, NB: tl.constexpr, VALUES: tl.constexpr = False):
     r = tl.program_id(0)
     hv = tl.program_id(1)
     cb0 = tl.program_id(2) * NB           # this program's NB column blocks (the run's shared part made once)
@@ -192,8 +197,8 @@ def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, fac, s_q, s_k, s_v, sc
         Ti = tl.dot(Ti, eye + M, input_precision=PREC)
     kdec = Kx * tl.exp(GL - G)[:, None]
     for i in tl.static_range(NB):
-        _summary_columns(cb0 + i, r, hv, hk, q, k, v, o, final, fac, tok, rl, rk, mt, mk, nq, nk, G, GL, bt, Ti, P,
-                         kdec, s_q, s_k, s_v, HV, K, V, BV, BL, PREC, FACTORS)
+        _summary_columns(cb0 + i, r, hv, hk, q, k, v, o, final, fac, uval, tok, rl, rk, mt, mk, nq, nk, G, GL, bt,
+                         Ti, P, kdec, s_q, s_k, s_v, HV, K, V, BV, BL, PREC, FACTORS, VALUES)
 
 
 CHUNK_MAX = 64      # longest run the chunked kernel takes (one chunk per run)
@@ -201,7 +206,7 @@ CHUNK_MAX = 64      # longest run the chunked kernel takes (one chunk per run)
 
 def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use_qk_l2norm_in_kernel=False,
                   block_v: int = 64, warps: int = 4, precision: str = "tf32x3", factors: bool = False,
-                  blocks_per_program: int | None = None):
+                  blocks_per_program: int | None = None, values: bool = False):
     """`summary` for runs of at most max_len (<= CHUNK_MAX) tokens in the chunked (WY) form, one chunk
     per run: with G_t the run's cumulative log decay, A[t, s] = beta_t exp(G_t - G_s) k_t.k_s (s < t),
 
@@ -215,21 +220,26 @@ def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use
     making the shared part again); the products are small tensor-core matmuls, with no step-by-step loop
     over the run's tokens. Same returns as `summary`; with `factors`, T is left in
     its factored form (reference `run_factors`): (o, u, S [R, HV, K, V], F [R, HV, 2 w + 1, K]), w the
-    padded run length (`factor_width`)."""
+    padded run length (`factor_width`); with `values` too, U [R, HV, w, V] in S's place (reference `run_values`;
+    S = Kd^T U, not written: the low-rank pairs of `ops/triton_scan.pair_lowrank` read U)."""
     if max_len > CHUNK_MAX:
         raise ValueError(f"runs of up to {max_len} tokens; the chunked summary takes <= {CHUNK_MAX}")
+    if values and not factors:
+        raise ValueError("values (U) come with the factors")
     q, k, v, o, final, (r, h, hv, kd, vd), scale = _outputs(q, k, v, cu_seqlens, scale, dense=not factors)
     bl = factor_width(max_len)              # rows of the one chunk per run (and of T's factors)
-    fac = final
+    fac = uval = final
     if factors:
         fac = torch.empty(r, hv, 2 * bl + 1, kd, dtype=torch.float32, device=v.device)
+    if values:
+        final = uval = torch.empty(r, hv, bl, vd, dtype=torch.float32, device=v.device)
     blocks = triton.cdiv(vd + kd, block_v)
     nb = blocks if blocks_per_program is None else max(1, min(blocks_per_program, blocks))
     _chunk_summary_kernel[(r, hv, triton.cdiv(blocks, nb))](
-        q, k, v, g[0].contiguous(), beta[0].contiguous(), cu_seqlens, o, final, fac, q.stride(0), k.stride(0),
+        q, k, v, g[0].contiguous(), beta[0].contiguous(), cu_seqlens, o, final, fac, uval, q.stride(0), k.stride(0),
         v.stride(0), scale, H=h, HV=hv, K=kd, V=vd, BK=max(16, triton.next_power_of_2(kd)), BV=block_v, BL=bl,
         SQUARINGS=bl.bit_length() - 2, L2=use_qk_l2norm_in_kernel, PREC=precision, FACTORS=factors, NB=nb,
-        num_warps=warps)
+        VALUES=values, num_warps=warps)
     if factors:
         return o[..., :vd], o[..., vd:], final, fac
     return o[..., :vd], o[..., vd:], final

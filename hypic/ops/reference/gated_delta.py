@@ -192,6 +192,29 @@ def run_factors(k, g, beta, cu_seqlens, width: int, *, use_qk_l2norm_in_kernel=F
     return out
 
 
+def run_values(k, v, g, beta, cu_seqlens, width: int, *, use_qk_l2norm_in_kernel=False) -> torch.Tensor:
+    """Each run's WY-solved values (from zero, tokens t = 1..L <= width): U = (I + A)^-1 diag(beta) V with the system
+    of `run_factors`, so that the run's zero-start state is S = Kd^T U (Kd the decayed keys of its factors). Returns
+    U [R, HV, width, V] fp32, rows past a run's length zero."""
+    r = cu_seqlens.shape[0] - 1
+    hv, dv = v.shape[-2], v.shape[-1]
+    out = torch.zeros(r, hv, width, dv, dtype=torch.float32, device=v.device)
+    if r == 0:
+        return out
+    (k, v, g, beta), lens = _pad_varlen((k, v, g, beta), cu_seqlens)        # [R, L, ...]
+    if max(lens) > width:
+        raise ValueError(f"a run of {max(lens)} tokens; the values hold {width}")
+    k = _expand_heads(k, hv).float()
+    if use_qk_l2norm_in_kernel:
+        k = l2norm(k)
+    k, v = k.transpose(1, 2), v.float().transpose(1, 2)                      # [R, HV, L, ...]
+    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)
+    _, _, system = _ut_system(k, g, beta)
+    out[:, :, : k.shape[2]] = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False,
+                                                            unitriangular=True)
+    return out
+
+
 def factors_to_dense(S: torch.Tensor, fac: torch.Tensor) -> torch.Tensor:
     """S [R, HV, K, V] and the factors [R, HV, 2 w + 1, K] (`run_factors`) -> [S | T] [R, HV, K, V + K] fp32."""
     w = (fac.shape[-2] - 1) // 2
