@@ -1,6 +1,7 @@
 """One position_attention call through the Triton kernel at the given head dims (a fault ends the process):
     python benchmarks/attn_probe.py D DV [H HKV N] [--same-width]
---same-width: one block width for keys and values (the candidate fix for D != DV, which faulted in run 92)."""
+--same-width: one block width for keys and values (the kernel's default for D != DV since H100 run 95; at their own
+widths the H200 faulted in run 92). Without it, their own widths (same_width=False)."""
 import sys
 
 import torch

@@ -993,9 +993,9 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
 def test_triton_attention_other_value_dim_in_interpreter():
     """The compose attention kernel with key and value head dims that differ (MLA: 24 / 16, and 32 / 16, 16 / 32), at
-    its own block widths and at one width for both (`same_width`, the candidate fix for the fault the H200 showed
-    there, run 92): in Triton's interpreter equal to the reference to fp32 rounding, so the kernel's index arithmetic
-    is right and the fault is in what the GPU compiler makes of it."""
+    its own block widths and at one width for both (`same_width`: the default since H100 run 95 ran it; at their own
+    widths the H200 faulted, run 92): in Triton's interpreter equal to the reference to fp32 rounding, so the kernel's
+    index arithmetic is right and the fault is in what the GPU compiler makes of it."""
     import os
     import subprocess
     import sys
