@@ -21,6 +21,22 @@ def rel(x, y):
     return float((x - y).norm() / y.norm())
 
 
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs triton (its CPU interpreter)")
+
+
+def _run_in_interpreter(code: str) -> None:
+    """Run `code` in a fresh Python with Triton's CPU interpreter chosen (it is chosen when triton is imported, so a
+    subprocess) and require it to print "ok" last."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_gpu_modules_import_everywhere():
     importlib.import_module("hypic.ops.fast")
     importlib.import_module("hypic.compose.scan")
@@ -670,9 +686,6 @@ def test_triton_scan_in_triton_interpreter():
     one with every kernel marked as failed to build (their PyTorch forms; a subprocess: the interpreter
     is chosen when triton is imported)."""
     import importlib.util
-    import os
-    import subprocess
-    import sys
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
@@ -984,22 +997,16 @@ for a, p in zip(out["eager"], ps):
     assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    _run_in_interpreter(code)
 
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+@needs_triton
 def test_triton_attention_other_value_dim_in_interpreter():
     """The compose attention kernel with key and value head dims that differ (MLA: 24 / 16, and 32 / 16, 16 / 32), at
     its own block widths and at one width for both (`same_width`: the default since H100 run 95 ran it; at their own
     widths the H200 faulted, run 92): in Triton's interpreter equal to the reference to fp32 rounding, so the kernel's
     index arithmetic is right and the fault is in what the GPU compiler makes of it."""
-    import os
-    import subprocess
-    import sys
-
     code = """
 import torch
 from hypic.ops.triton_attention import position_attention
@@ -1014,21 +1021,15 @@ for d, dv in ((24, 16), (32, 16), (16, 32)):
         assert float((o - r).abs().max()) < 1e-5, (d, dv, same)
 print("ok")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    _run_in_interpreter(code)
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+@needs_triton
 def test_triton_attention_forms_in_interpreter():
     """The compose attention kernel's forms (ops/triton_attention.py: key blocks every row sees walked unmasked, the
     splits folded by a kernel, each row block's visible prefix split evenly, the value columns over two programs) on
     the compose pass's layout (sorted keys, seam queries at segment starts, a query tail, pads at position 0, unseen
     bucket keys), at key blocks of 16 so that whole blocks precede each row block's first seam: each equal to the
     reference to fp32 rounding (1e-5), and unsorted keys through the fold and the value split alike."""
-    import os
-    import subprocess
-    import sys
-
     code = """
 import itertools, torch
 from hypic.ops.triton_attention import position_attention
@@ -1058,22 +1059,16 @@ for d, dv, h, hkv in ((32, 32, 4, 2), (24, 16, 4, 1)):
         assert float((o - r).abs().max()) < 1e-5, (d, dv, fold, vs)
 print("ok")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    _run_in_interpreter(code)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+@needs_triton
 def test_triton_pair_lowrank_in_interpreter():
     """Seam runs composed with the cached map after them from the runs' low-rank factors (ops/triton_scan.pair_lowrank,
     the next scan candidate of docs/gpu-notes.md): runs of 5, 8 and 16 tokens summarized by the reference recurrence
     from [0 | I] (their dense [S | T]), their factors by reference `run_factors` and U by the same triangular system;
     [S_e + P U | g T_e - P W] equal to T_e [S_r | T_r] + [S_e | 0] in fp64 to fp32 rounding (1e-5), and a run with no
     cached map after it to its own [S_r | T_r]."""
-    import os
-    import subprocess
-    import sys
-
     code = """
 import math, torch
 from hypic.ops.triton_scan import pair_lowrank
@@ -1110,9 +1105,7 @@ for i in range(3):
     assert err < 1e-5, (i, err)
 print("ok")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    _run_in_interpreter(code)
 
 
 def _parallel_against_one_rank(parallel):
