@@ -175,15 +175,9 @@ def run_factors(k, g, beta, cu_seqlens, width: int, *, use_qk_l2norm_in_kernel=F
     out = torch.zeros(r, hv, 2 * width + 1, dk, dtype=torch.float32, device=k.device)
     if r == 0:
         return out
-    (k, g, beta), lens = _pad_varlen((k, g, beta), cu_seqlens)           # [R, L, ...]
-    if max(lens) > width:
-        raise ValueError(f"a run of {max(lens)} tokens; the factors hold {width}")
-    k = _expand_heads(k, hv).float()
-    if use_qk_l2norm_in_kernel:
-        k = l2norm(k)
-    k, g, beta = k.transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)   # [R, HV, L, ...]
+    k, beta, _, G, system = _run_systems(cu_seqlens, width, k, g, beta,
+                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     n = k.shape[2]
-    G, _, system = _ut_system(k, g, beta)
     GL = G[..., -1:]
     w = torch.linalg.solve_triangular(system, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
     out[:, :, :n] = k * (GL - G).exp()[..., None]
@@ -201,18 +195,28 @@ def run_values(k, v, g, beta, cu_seqlens, width: int, *, use_qk_l2norm_in_kernel
     out = torch.zeros(r, hv, width, dv, dtype=torch.float32, device=v.device)
     if r == 0:
         return out
-    (k, v, g, beta), lens = _pad_varlen((k, v, g, beta), cu_seqlens)        # [R, L, ...]
-    if max(lens) > width:
-        raise ValueError(f"a run of {max(lens)} tokens; the values hold {width}")
-    k = _expand_heads(k, hv).float()
-    if use_qk_l2norm_in_kernel:
-        k = l2norm(k)
-    k, v = k.transpose(1, 2), v.float().transpose(1, 2)                      # [R, HV, L, ...]
-    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)
-    _, _, system = _ut_system(k, g, beta)
+    k, beta, (v,), _, system = _run_systems(cu_seqlens, width, k, g, beta, v,
+                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     out[:, :, : k.shape[2]] = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False,
                                                             unitriangular=True)
     return out
+
+
+def _run_systems(cu_seqlens, width: int, k, g, beta, *rest, use_qk_l2norm_in_kernel=False):
+    """The runs of a varlen batch padded to [R, HV, L, ...] in fp32 (k expanded to the value heads, l2-normalised if
+    asked; rest: more per-token tensors of the value heads) with each run's WY system (`_ut_system`): (k, beta, rest,
+    G, system). `run_factors` and `run_values` solve it for W and U."""
+    hv = g.shape[-1]
+    (k, g, beta, *rest), lens = _pad_varlen((k, g, beta, *rest), cu_seqlens)        # [R, L, ...]
+    if max(lens) > width:
+        raise ValueError(f"a run of {max(lens)} tokens; the factors hold {width}")
+    k = _expand_heads(k, hv).float()
+    if use_qk_l2norm_in_kernel:
+        k = l2norm(k)
+    k, g, beta = k.transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)      # [R, HV, L]
+    rest = tuple(x.float().transpose(1, 2) for x in rest)
+    G, _, system = _ut_system(k, g, beta)
+    return k, beta, rest, G, system
 
 
 def factors_to_dense(S: torch.Tensor, fac: torch.Tensor) -> torch.Tensor:
