@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of the chain scan's builds for the H200 (sm_90a), on a machine without a GPU.
+"""Registers, spills and shared memory of the chain scan's builds for the H200 (sm_90a), on a machine without a GPU;
+then those of the compose attention, its fold, the MoE combine, the low-rank pair kernel and the chunked summary.
 
 Triton compiles for a named target without a device, and the ptxas it ships reports each build's registers and
 spills: the H200's own numbers for the same source and specialisation (H200 run 54 reported 255 registers and 58
@@ -57,6 +58,60 @@ def scan_build(bv=32, warps=8, stages=2, factors=False, correct=True, split=Fals
     return dict(registers=regs, spill_store_bytes=stores, spill_load_bytes=loads, shared=k.metadata.shared)
 
 
+def kernel_build(fn, sig: dict, const: dict, warps: int, stages: int = 1):
+    """Compile any Triton kernel for sm_90a (pointer arguments: those typed "*..."); (registers, spill stores in
+    bytes, shared memory in bytes) from ptxas -v."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(sig)
+    sig = dict(sig, **{k: "constexpr" for k in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    r = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    used = re.search(r"Used (\d+) registers", r.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return (int(used.group(1)) if used else None, int(spills.group(1)) if spills else None, k.metadata.shared)
+
+
+def other_builds():
+    """The twenty-ninth session's kernels at the 35B warm request's shapes: [(kernel, configuration, build)]."""
+    from hypic.ops import triton_attention as ta, triton_moe as tm, triton_scan as ts, triton_summary as tsum
+
+    rows = []
+    att = dict(q="*bf16", k="*bf16", v="*bf16", qpos="*i64", kpos="*i64", acc_out="*fp32", m_out="*fp32",
+               l_out="*fp32", Nq="i32", Nk="i32", per_split="i32", blocks="i32", n_splits="i32", scale="fp32")
+    for ff, bal, d, dv, bd in ((False, False, 256, 256, 256), (True, True, 256, 256, 256), (True, True, 24, 16, 32)):
+        const = dict(H=16, HKV=2, REP=8, D=d, DV=dv, BD=bd, BDV=bd, BM=128, BN=64, SORTED=True, STAGES=2,
+                     FULL_FAST=ff, BALANCE=bal, VSPLIT=1)
+        rows.append(("attention", f"full_fast {ff}, balance {bal}, D {d} / Dv {dv}",
+                     kernel_build(ta._partial_kernel, att, const, 8, 2)))
+    rows.append(("attention fold", "BR 16, BDV 128", kernel_build(
+        ta._fold_kernel, dict(acc="*fp32", m="*fp32", l="*fp32", out="*bf16", nrows="i32", splits="i32"),
+        dict(H=16, HKV=2, REP=8, DV=256, BR=16, BDV=128), 4)))
+    rows.append(("moe combine", "top 8, shared", kernel_build(
+        tm._combine_kernel, dict(ys="*bf16", sg="*bf16", so="*bf16", out="*bf16", s_so="i32", s_sg="i32"),
+        dict(H=2048, TOPK=8, SHARED=True, BH=1024), 4)))
+    for br, w, prec in ((32, 4, "tf32x3"), (32, 4, "ieee"), (64, 8, "ieee")):
+        rows.append(("pair_lowrank", f"rows {br}, warps {w}, {prec}", kernel_build(
+            ts._pair_lowrank_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32"),
+            dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec), w)))
+    summ = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", cu="*i32", o="*bf16", final="*fp32",
+                fac="*fp32", uval="*fp32", s_q="i32", s_k="i32", s_v="i32", scale="fp32")
+    for fac, val in ((False, False), (True, False), (True, True)):
+        const = dict(H=16, HV=32, K=128, V=128, BK=128, BV=64, BL=16, SQUARINGS=3, L2=True, PREC="tf32x3",
+                     FACTORS=fac, NB=4, VALUES=val)
+        rows.append(("chunk_summary", f"factors {fac}, values {val}",
+                     kernel_build(tsum._chunk_summary_kernel, summ, const, 4)))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernel_resources.json"))
@@ -75,9 +130,15 @@ def main():
         print(f"| {form} | {cfg} | {r['registers']} | {r['spill_store_bytes']} / {r['spill_load_bytes']} | "
               f"{r['shared'] / 1024:.0f} KB | {'yes' if r['shared'] <= SMEM_LIMIT else 'no (shared memory)'} |",
               flush=True)
+    print("\n| kernel | configuration | registers | spill stores (bytes) | shared memory |")
+    print("|---|---|---:|---:|---:|")
+    others = []
+    for name, cfg, (regs, spill, shared) in other_builds():
+        others.append(dict(kernel=name, config=cfg, registers=regs, spill_store_bytes=spill, shared=shared))
+        print(f"| {name} | {cfg} | {regs} | {spill} | {shared / 1024:.0f} KB |", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(target="cuda sm_90a (ptxas of the installed Triton)", rows=rows),
-                                         indent=1))
+    Path(args.out).write_text(json.dumps(dict(target="cuda sm_90a (ptxas of the installed Triton)", rows=rows,
+                                              others=others), indent=1))
 
 
 if __name__ == "__main__":
