@@ -98,10 +98,14 @@ def other_builds():
     rows.append(("moe combine", "top 8, shared", kernel_build(
         tm._combine_kernel, dict(ys="*bf16", sg="*bf16", so="*bf16", out="*bf16", s_so="i32", s_sg="i32"),
         dict(H=2048, TOPK=8, SHARED=True, BH=1024), 4)))
-    for br, w, prec in ((32, 4, "tf32x3"), (32, 4, "ieee"), (64, 8, "ieee")):
-        rows.append(("pair_lowrank", f"rows {br}, warps {w}, {prec}", kernel_build(
+    for br, w, prec, hv in ((32, 4, "tf32x3", False), (32, 4, "ieee", False), (64, 8, "ieee", False),
+                            (32, 4, "tf32x3", True), (64, 4, "tf32x3", True), (64, 8, "tf32x3", True),
+                            (32, 4, "tf32x3", 32), (64, 4, "tf32x3", 32), (64, 8, "tf32x3", 64), (128, 8, "tf32x3", 32)):
+        form = "" if hv is False else ", halves" if hv is True else f", chunks of {hv}"
+        rows.append(("pair_lowrank", f"rows {br}, warps {w}, {prec}{form}", kernel_build(
             ts._pair_lowrank_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32"),
-            dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec), w)))
+            dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec, PW=6, HALVES=hv is True,
+                 BC=0 if isinstance(hv, bool) else hv), w)))
     summ = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", cu="*i32", o="*bf16", final="*fp32",
                 fac="*fp32", uval="*fp32", s_q="i32", s_k="i32", s_v="i32", scale="fp32")
     for fac, val in ((False, False), (True, False), (True, True)):

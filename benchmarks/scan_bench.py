@@ -151,25 +151,28 @@ def main():
     lr_rows = []
     want_lr = torch.cat([c["T"].double() @ c["dense"][:E, ..., :V].double() + c["S"].double(),    # the pairs, fp64
                          c["T"].double() @ c["dense"][:E, ..., V:].double()], -1)
-    lr_cfgs = ((32, 4, "tf32x3"), (16, 4, "tf32x3"), (64, 8, "tf32x3"), (32, 8, "tf32x3"), (32, 4, "ieee"),
-               (64, 8, "ieee")) if dev.type == "cuda" else ((16, 4, "ieee"),)
-    for br, w, prec in lr_cfgs:
-        def pl(br=br, w=w, prec=prec):
-            return ts.pair_lowrank(pairs_t, c["F"], c["U"], lowrank, block_rows=br, warps=w, precision=prec)
+    lr_cfgs = [(br, w, hv, "tf32x3") for br, w, hv in ts.PAIR_CONFIGS] + [(32, 4, False, "ieee")] \
+        if dev.type == "cuda" else [(16, 4, False, "ieee"), (16, 4, True, "ieee")]
+    for br, w, hv, prec in lr_cfgs:
+        def pl(br=br, w=w, hv=hv, prec=prec):
+            return ts.pair_lowrank(pairs_t, c["F"], c["U"], lowrank, block_rows=br, warps=w, halves=hv,
+                                   precision=prec)
+        lowrank.fill_(float("nan"))                       # every row must be written by this configuration
         try:
             pl()
             t = launch_times(pl, args.reps, dev.type == "cuda")
         except Exception as e:                            # a build the device cannot run: its row says so
-            lr_rows.append(dict(block_rows=br, warps=w, precision=prec, error=f"{type(e).__name__}: {str(e)[:120]}"))
+            lr_rows.append(dict(block_rows=br, warps=w, halves=hv, precision=prec,
+                                error=f"{type(e).__name__}: {str(e)[:120]}"))
             print(lr_rows[-1], flush=True)
             continue
         lr_rel = rel(lowrank[:E], want_lr)
-        lr_rows.append(dict(block_rows=br, warps=w, precision=prec, us=t["us"], us_min=t["us_min"], rel=lr_rel,
-                            query_rel=rel(lowrank[E:], c["dense"][E:].double())))
-        print(f"pair_lowrank (rows {br}, warps {w}, {prec}): {t['us']:.1f} us (min {t['us_min']:.1f}) per layer; "
-              f"rel {lr_rel:.1e}", flush=True)
-    br, w, prec = lr_cfgs[0]                              # the chain below reads the default configuration's pairs
-    ts.pair_lowrank(pairs_t, c["F"], c["U"], lowrank, block_rows=br, warps=w, precision=prec)
+        lr_rows.append(dict(block_rows=br, warps=w, halves=hv, precision=prec, us=t["us"], us_min=t["us_min"],
+                            rel=lr_rel, query_rel=rel(lowrank[E:], c["dense"][E:].double())))
+        print(f"pair_lowrank (rows {br}, warps {w}, halves {hv}, {prec}): {t['us']:.1f} us (min {t['us_min']:.1f}) "
+              f"per layer; rel {lr_rel:.1e}", flush=True)
+    br, w, hv, prec = lr_cfgs[0]                          # the chain below reads the default configuration's pairs
+    ts.pair_lowrank(pairs_t, c["F"], c["U"], lowrank, block_rows=br, warps=w, halves=hv, precision=prec)
     lr_best = min((r["us"] for r in lr_rows if "us" in r), default=None)
     rows, t_start = [], time.time()
     for form, cfgs in forms.items():

@@ -597,6 +597,38 @@ def test_cuda_graph_compose_matches_eager_buffers(preset):
 
 
 @cuda
+def test_cuda_graph_compose_with_low_rank_pairs():
+    """LOWRANK_PAIRS (layers/linear.py): the seam runs' summaries as factors and values, every run's dense map made by
+    the pair kernel (composed with the cached map after it), the chain one step shorter per segment, all inside the
+    captured graph, against the captured pass with dense runs (the default). fp32: the two differ by the order of
+    fp32-level (tf32x3) products only, ~1e-6 relative on the states; 1e-4 on the logits leaves room for the layers
+    after them."""
+    from hypic import LLM, Prompt, SamplingParams
+    from hypic.layers import linear as lin
+    from hypic.runtime.compose_graph import GraphCompose
+
+    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
+    ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 110)))
+          for o in ((0, 1, 2), (2, 0, 1), (1, 2, 0))]
+    sp = SamplingParams(max_tokens=4, return_logits=True, ignore_eos=True)
+    got = {}
+    for paired in (False, True):
+        lin.LOWRANK_PAIRS = paired
+        try:
+            llm = LLM("tiny-qwen3.5", device="cuda", dtype="float32", seed=0)
+            got[paired] = [llm.generate([p], sp)[0] for p in ps]
+            comp = llm.engine.composer
+            assert isinstance(comp, GraphCompose) and comp.captures == 1 and comp.replays == 2
+            lay0 = next(iter(comp.ready.values()))[0].layers[0]
+            assert ("pair_maps" in lay0) == paired
+        finally:
+            lin.LOWRANK_PAIRS = False
+    for a, b in zip(got[False][1:], got[True][1:]):
+        assert a.token_ids == b.token_ids
+        assert rel(b.logits, a.logits) < 1e-4
+
+
+@cuda
 @pytest.mark.parametrize("preset,dtype", [("tiny-qwen3.5", "bfloat16"), ("tiny-kimi-linear", "float32"),
                                           ("tiny-recurrent-gemma", "bfloat16"), ("tiny-qwen4-exp", "bfloat16")])
 def test_cuda_graph_decode_matches_eager_buffers(preset, dtype):
@@ -979,17 +1011,23 @@ out["eager"] = [llm.generate([p], sp)[0] for p in ps]
 from hypic.layers import linear as lin
 from hypic.runtime import compose_graph as cg
 cg.COPY_BY_ADDRESS = True                      # the fill's packing through the copy kernel (default: torch.cat)
-for factored in (False, True):                 # the runs' transitions dense [S | T] (default) or factored
-    lin.RUN_FACTORS = factored
+# the runs' transitions dense [S | T] (default), factored, or paired with the cached map after them (low rank)
+for factored, paired in ((False, False), (True, False), (False, True)):
+    lin.RUN_FACTORS, lin.LOWRANK_PAIRS = factored, paired
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
     got = [llm.generate([p], sp)[0] for p in ps]
     bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
     assert getattr(bufs0, "copy_tables", None)                      # the fill went through the copy kernel
     lay0 = bufs0.layers[0]
-    assert llm.engine.composer.runs == len(ps) and "steps" in lay0 and lay0.get("factor_width") == (16 if factored else None)
+    assert llm.engine.composer.runs == len(ps) and "steps" in lay0
+    assert lay0.get("factor_width") == (16 if factored or paired else None) and ("pair_maps" in lay0) == paired
     for a, b in zip(out["eager"], got):
-        assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4, factored
-lin.RUN_FACTORS = False
+        assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4, (factored, paired)
+    if paired:                  # the last request's chain: each seam run paired, so one step fewer per segment
+        cu_m, cu_p = bufs0.cu_maps.tolist(), bufs0.cu_pairs.tolist()
+        assert cu_m[1] - cu_p[1] == 3 and cu_m[2] - cu_p[2] == 3, (cu_m, cu_p)
+        assert (lay0["pairs"][:, 0] != 0).sum() == 3
+lin.RUN_FACTORS = lin.LOWRANK_PAIRS = False
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary", "order"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):
@@ -1065,10 +1103,11 @@ print("ok")
 @needs_triton
 def test_triton_pair_lowrank_in_interpreter():
     """Seam runs composed with the cached map after them from the runs' low-rank factors (ops/triton_scan.pair_lowrank,
-    the next scan candidate of docs/gpu-notes.md): runs of 5, 8 and 16 tokens summarized by the reference recurrence
+    the compose pass's LOWRANK_PAIRS): runs of 5, 8 and 16 tokens summarized by the reference recurrence
     from [0 | I] (their dense [S | T]), their factors by reference `run_factors` and U by the same triangular system;
     [S_e + P U | g T_e - P W] equal to T_e [S_r | T_r] + [S_e | 0] in fp64 to fp32 rounding (1e-5), and a run with no
-    cached map after it to its own [S_r | T_r]."""
+    cached map after it to its own [S_r | T_r]; in one program per row block, in two (halves) and with the columns in
+    chunks, from a table of 4-wide and of 6-wide rows (the compose pass's)."""
     code = """
 import math, torch
 from hypic.ops.triton_scan import pair_lowrank
@@ -1095,14 +1134,17 @@ Te = torch.randn(2, H, K, K, generator=g) / K ** .5
 Se = torch.randn(2, H, K, V, generator=g)
 pairs = torch.tensor([[Te[0].data_ptr(), Se[0].data_ptr(), 0, 0], [Te[1].data_ptr(), Se[1].data_ptr(), 2, 0],
                       [0, 0, 1, 0]])
-out = torch.zeros(len(lens), H, K, V + K)
-pair_lowrank(pairs, F, U, out)
+wide = torch.zeros(3, 6, dtype=torch.int64)
+wide[:, :4] = pairs
 d = dense.double()
 want = [torch.cat([Te[0].double() @ d[0, ..., :V] + Se[0].double(), Te[0].double() @ d[0, ..., V:]], -1),
         d[1], torch.cat([Te[1].double() @ d[2, ..., :V] + Se[1].double(), Te[1].double() @ d[2, ..., V:]], -1)]
-for i in range(3):
-    err = float((out[i].double() - want[i]).abs().max() / want[i].abs().max())
-    assert err < 1e-5, (i, err)
+for table, rows, halves in ((pairs, 16, False), (pairs, 32, True), (wide, 16, True), (wide, 32, 16), (pairs, 16, 16)):
+    out = torch.full((len(lens), H, K, V + K), float("nan"))
+    pair_lowrank(table, F, U, out, block_rows=rows, warps=4, halves=halves)
+    for i in range(3):
+        err = float((out[i].double() - want[i]).abs().max() / want[i].abs().max())
+        assert err < 1e-5, (i, err, rows, halves)
 print("ok")
 """
     _run_in_interpreter(code)

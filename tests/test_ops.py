@@ -159,6 +159,57 @@ def test_run_summary_factors_give_the_transition(backend):
                                    atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["reference", "fast"])
+def test_run_summary_values_and_low_rank_pairs(backend):
+    """recurrent_gated_delta_summary(..., factors=True, values=True): the same outputs and factors, with the runs'
+    WY-solved values U in S's place (S = Kd^T U: `values_to_state`); and `pair_maps`, a run composed with a cached
+    map (T_e, S_e) after it from (Kd, W, g, U) alone, [S_e + P U | g T_e - P W] with P = T_e Kd^T, equal to the
+    dense composition [T_e S_r + S_e | T_e T_r] in fp64 (and to the run's own [S_r | T_r] without a map). fp32 ops
+    on maps of norm ~1 over <= 16 tokens: 2e-5 is fp32 rounding with room."""
+    from hypic.ops import get_backend
+    from hypic.ops.reference.gated_delta import pair_maps, values_to_state
+
+    op = get_backend(backend).recurrent_gated_delta_summary
+    lens = [3, 16, 0, 1, 9]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, g, beta, _ = _inputs(1, sum(lens), 2, 4, 24, 6, seed=7, decay=0.5)
+    o, u, dense = op(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, max_len=16)
+    o2, u2, U, fac = op(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, max_len=16, factors=True,
+                        values=True)
+    assert U.shape == (len(lens), 4, 16, 6) and fac.shape == (len(lens), 4, 33, 24)
+    torch.testing.assert_close(o2, o)
+    torch.testing.assert_close(u2, u)
+    torch.testing.assert_close(values_to_state(U, fac), dense[..., :6], atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="values"):
+        op(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, max_len=16, values=True)
+    torch.testing.assert_close(pair_maps(fac, U), dense, atol=2e-6, rtol=1e-5)
+    gen = torch.Generator().manual_seed(1)
+    T_e = torch.randn(len(lens), 4, 24, 24, generator=gen) / 24 ** 0.5
+    S_e = torch.randn(len(lens), 4, 24, 6, generator=gen)
+    d = dense.double()
+    want = torch.cat([T_e.double() @ d[..., :6] + S_e.double(), T_e.double() @ d[..., 6:]], dim=-1)
+    torch.testing.assert_close(pair_maps(fac, U, T_e, S_e).double(), want, atol=2e-5, rtol=1e-5)
+
+
+def test_pair_runs_pairs_each_run_with_the_cached_map_after_it():
+    """The compose lowering's pairing (runtime/compose_graph.pair_runs): a run followed by a cached map in the
+    request's chain is paired with it (that map's step left out), a run followed by another run or ending the chain
+    is not, and the pad chain after `main` is never paired."""
+    import numpy as np
+
+    from hypic.runtime.compose_graph import pair_runs
+
+    e = 3                                       # entries 0..2; runs 3..8 (8: a pad run)
+    order = np.array([3, 0, 4, 5, 1, 2, 6, 7, 8])    # run, E0, run, run, E1, E2, run, run | pad
+    keep, after = pair_runs(order, 8, e)
+    assert keep.tolist() == [True, False, True, True, False, True, True, True, True]
+    assert after.tolist() == [0, -1, 1, -1, -1, -1]
+    keep, after = pair_runs(np.array([0, 2, 1]), 3, 2)       # a chain that starts with a map: nothing before it
+    assert keep.tolist() == [True, True, False] and after.tolist() == [1]
+    keep, after = pair_runs(np.array([2, 0, 1]), 1, 2)       # main 1: E0 is past the chain's end
+    assert keep.all() and after.tolist() == [-1]
+
+
 def test_initial_state_is_not_modified():
     q, k, v, g, beta, s0 = _inputs(1, 20, 1, 1, 4, 4)
     before = s0.clone()

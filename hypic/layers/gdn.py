@@ -88,14 +88,14 @@ class GatedDeltaNet(LinearMixer):
         return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(b)}
 
     def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None, init_augmented=False,
-               max_len=None, factors=False):
+               max_len=None, factors=False, values=False):
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.reshape(-1, self.h, self.dk), k.reshape(-1, self.h, self.dk), v.reshape(-1, self.hv, self.dv)
         if init_augmented:             # every run from [0 | I] (the compose pass's short runs): one op, no init read
             return self.ops.recurrent_gated_delta_summary(q[None], k[None], v[None], f["g"][None, idx],
                                                           f["beta"][None, idx], cu_seqlens=cu,
                                                           use_qk_l2norm_in_kernel=True, max_len=max_len,
-                                                          factors=factors)
+                                                          factors=factors, values=values)
         # short runs only (decode tokens, seam windows, a short query): the fused recurrent kernel is one
         # launch of exact fp32 steps; the chunked one costs several launches and pads every run to 64
         # (short given: the caller knows, and cu may be on the device: reading it would sync)

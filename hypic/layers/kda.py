@@ -81,7 +81,9 @@ class KimiDeltaAttention(LinearMixer):
                 "gate": self.g_b_proj(self.g_a_proj(x))}
 
     def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None, init_augmented=False,
-               max_len=None, factors=False):
+               max_len=None, factors=False, values=False):
+        if factors or values:
+            raise ValueError("KDA's runs have no factored summary (factored_runs is False)")
         q, k, v = (t.reshape(-1, self.h, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
         if init_augmented:
             # the compose pass's short runs, every one from [0 | I] with K zero value columns appended: one fused

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..cache.entry import LinearSummary
 from ..compose.transition import Form, Transition, compose, zero_start
-from ..ops.reference.gated_delta import factor_width, factors_to_dense
+from ..ops.reference.gated_delta import factor_width, factors_to_dense, values_to_state
 from ..runtime.batch import Apply, ForwardBatch, Run
 from ..runtime.state import LinearState
 
@@ -140,6 +140,7 @@ class LinearMixer(nn.Module):
         """init [2, H, K, V]: the request's initial state, then the pad chain's zero. The cached (T, S):
         an address table where the Triton scan reads them in place (CUDA), else stacked copies."""
         from ..compose.scan import kernel_ready
+        from ..ops.fast import triton_kernel
 
         h, k, v = self.state_shape
         wm1 = self.conv_width - 1
@@ -153,7 +154,15 @@ class LinearMixer(nn.Module):
             # chunked summary kernel gives them (RUN_FACTORS; its width: the padded run length)
             shared.setdefault("steps", []).append(buf)
             buf["keep"] = []
-            if RUN_FACTORS and self.factored_runs(shape.lmax):
+            if LOWRANK_PAIRS and self.factored_runs(shape.lmax) and triton_kernel("pairs") is not None:
+                # the runs' dense maps (each paired with the cached map after it, or alone), one buffer for the
+                # layers of one state shape (they run one after another)
+                buf["factor_width"] = factor_width(shape.lmax)
+                key = ("pair_maps", h, k, v)
+                if key not in shared:
+                    shared[key] = torch.empty(shape.runs, h, k, v + k, device=device)
+                buf["pair_maps"] = shared[key]
+            elif RUN_FACTORS and self.factored_runs(shape.lmax):
                 buf["factor_width"] = factor_width(shape.lmax)
         else:
             buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))
@@ -204,10 +213,21 @@ class LinearMixer(nn.Module):
                 addr[i] = a
             buf["keep"], buf["parts"] = keep, parts
             rows = buf["steps_host"].numpy()
-            is_run, off_t, off_s, ent, rest = self._step_columns(low, buf.get("factor_width"))
-            rows[:, 0] = np.where(is_run, off_t, addr[ent, 0])
-            rows[:, 1] = np.where(is_run, off_s, addr[ent, 1])
-            rows[:, 2:] = rest
+            paired = "pair_maps" in buf
+            is_run, off_t, off_s, ent, rest, kept, after = self._step_columns(low, buf.get("factor_width"), paired)
+            if kept is None:
+                rows[:, 0] = np.where(is_run, off_t, addr[ent, 0])
+                rows[:, 1] = np.where(is_run, off_s, addr[ent, 1])
+                rows[:, 2:] = rest
+            else:       # a paired cached map's step left out (the pair's map, in its run's place, takes it over)
+                nk = kept.shape[0]
+                rows[:nk, 0] = np.where(is_run, off_t, addr[ent, 0])[kept]
+                rows[:nk, 1] = np.where(is_run, off_s, addr[ent, 1])[kept]
+                rows[:nk, 2:] = rest[kept]
+                pairs = buf["pairs_host"].numpy()              # run i: (T_e, S_e addresses or 0, i, ...)
+                pairs[:, 0] = np.where(after >= 0, addr[after, 0], 0)
+                pairs[:, 1] = np.where(after >= 0, addr[after, 1], 0)
+                pairs[:, 2] = np.arange(after.shape[0])
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
@@ -225,11 +245,14 @@ class LinearMixer(nn.Module):
                          for p, (_, n) in zip(parts, low.tail_rows) if n]
                 torch.cat(tails, out=buf["src"][a : last + t])       # the tails' rows are consecutive
 
-    def _step_columns(self, low, width: int | None):
+    def _step_columns(self, low, width: int | None, paired: bool = False):
         """The step table's columns every layer of this state shape shares, made once per request: is_run,
-        each run's byte offsets (of its [S | T]; or, with factors of `width` rows, of its factors and of its S),
-        each cached map's entry index, and (is_run, slot, first token, tokens)."""
-        key = ("steps", self.state_shape, width)
+        each run's byte offsets (of its [S | T]; or, with factors of `width` rows and not paired, of its factors
+        and of its S), each cached map's entry index, (is_run, slot, first token, tokens), and with `paired`
+        the steps kept (indices; None without pairs) and the entry after each run (-1: none; `pair_runs`)."""
+        from ..runtime.compose_graph import pair_runs
+
+        key = ("steps", self.state_shape, width, paired)
         hit = low.memo.get(key)
         if hit is None:
             h, k, v = self.state_shape
@@ -240,11 +263,15 @@ class LinearMixer(nn.Module):
             cu = low.tables["cu"].numpy()                                 # each run's tokens (for the correction)
             rest = np.stack([is_run.astype(np.int64), order, np.where(is_run, cu[ri], 0),
                              np.where(is_run, cu[ri + 1] - cu[ri], 0)], axis=1)
-            if width is None:
+            if width is None or paired:          # (paired: the pair kernel writes each run's dense map)
                 off_t = off_s = ri * (h * k * (v + k) * 4)
             else:
                 off_t, off_s = ri * (h * (2 * width + 1) * k * 4), ri * (h * k * v * 4)
-            hit = low.memo[key] = (is_run, off_t, off_s, np.minimum(order, e - 1), rest)
+            kept = after = None
+            if paired:
+                keep, after = pair_runs(order, int(low.tables["cu_maps"][1]), e)
+                kept = np.flatnonzero(keep)
+            hit = low.memo[key] = (is_run, off_t, off_s, np.minimum(order, e - 1), rest, kept, after)
         return hit
 
     def _forward_captured(self, x, f, batch):
@@ -280,14 +307,26 @@ class LinearMixer(nn.Module):
             if bias is not None:
                 y = y + bias.float()
             conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
-        # every run from zero: outputs, readout, and the runs' maps, [S | T] or S with T's factors (RUN_FACTORS)
-        factored = "factor_width" in buf
+        # every run from zero: outputs, readout, and the runs' maps, [S | T] or S with T's factors (RUN_FACTORS),
+        # or U with T's factors (LOWRANK_PAIRS)
+        factored, paired = "factor_width" in buf, "pair_maps" in buf
         o0, u, *maps = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu, True, readout=True,
-                                   short=True, init_augmented=True, max_len=sh.lmax, factors=factored)
+                                   short=True, init_augmented=True, max_len=sh.lmax, factors=factored, values=paired)
         # the chain: entries' (T, S) from their slots, the runs' maps read where the kernel wrote them
         runs, factors = maps[0].float().contiguous(), (maps[1] if factored else None)
-        final = None
-        if "steps" in buf and triton_kernel("steps") is not None:
+        final, cu_maps = None, c.cu_maps
+        if paired:
+            # each run's dense map, composed with the cached map after it where one follows (the step table leaves
+            # that map's step out: cu_pairs), into the layers' shared buffer
+            kern = triton_kernel("pairs")
+            try:
+                runs = kern(buf["pairs"], factors, runs, buf["pair_maps"])
+            except Exception as err:  # the unpaired chain by the dense maps below (eager)
+                kernel_failed("pairs", err)
+                runs = None
+            else:
+                factors, cu_maps = None, c.cu_pairs
+        if runs is not None and "steps" in buf and triton_kernel("steps") is not None:
             # FUSE_CORRECTION: the scan corrects the runs' outputs in place as it reaches each run (its initial
             # state in registers; o0 and u are the two column ranges of the summary's [N, H, V + K] outputs);
             # else it writes the runs' initial states and `_corrected` applies them (gpu_bench times both)
@@ -300,7 +339,7 @@ class LinearMixer(nn.Module):
             # request's chain alone (the pad chain's 128 programs took half the SMs of the first wave, H200 run 34)
             chains = 1 if fused else 2
             try:
-                before, final = scan_steps(buf["init"][:chains], buf["steps"], c.cu_maps[: chains + 1], runs,
+                before, final = scan_steps(buf["init"][:chains], buf["steps"], cu_maps[: chains + 1], runs,
                                            e + sh.runs, outputs=full, max_run=sh.lmax, factors=factors)
             except Exception as err:  # the maps stacked from now on (eager)
                 kernel_failed("steps", err)
@@ -313,7 +352,10 @@ class LinearMixer(nn.Module):
                 T, S = stack_dense([(p.T, p.S) for p in buf["parts"]])
             else:
                 T, S = buf["T"], buf["S"]
-            aug = runs if factors is None else factors_to_dense(runs, factors)
+            if paired:                    # the runs alone (no pairs: the chain below walks the cached maps too)
+                aug = factors_to_dense(values_to_state(maps[0], maps[1]), maps[1])
+            else:
+                aug = runs if factors is None else factors_to_dense(runs, factors)
             before, final = scan_dense(buf["init"], T, S, c.cu_maps, order=c.order, runs=aug)
         c.outputs[self.layer_idx] = (final[0], src[c.window])                 # final state, conv window
         return _corrected(o0, u, before[e:], c.run_of, c.pos_in_run, sh.lmax)    # before[e:]: each run's start
@@ -741,6 +783,14 @@ FUSE_CORRECTION = True             # the compose pass's step-table scan corrects
 # measured in runs 53-54 and removed: 447 us per chain against 352 in isolation, +0.81 ms on the warm request; the
 # step spills 170-250 values at 255 registers. Code at git 4a0a8c6.)
 RUN_FACTORS = False
+# The compose pass's seam runs composed with the cached map after them before the chain, by their low-rank factors
+# (ops/triton_scan.pair_lowrank: [S_e + P U | g T_e - P W], P = T_e Kd^T): the runs' summary writes its factors and
+# WY-solved values (Kd, W, g, U) instead of a dense [S | T], one kernel makes every run's dense map (paired or alone)
+# into a fixed buffer, and the chain takes one step per pair (the warm pic request: 24 steps per layer instead of 44).
+# Cost model (docs/gpu-notes.md "Twenty-ninth session"): 345 + 79 -> 239 + ~40 + ~40 us per layer. H100 run 98: the
+# pair kernel alone 167 us per layer (not ~40-80), yet the warm request -0.59 ms against dense runs, paired by round
+# (the shorter chain and the summary's smaller writes outweigh it). On since; gpu_bench's variant `runs_dense`.
+LOWRANK_PAIRS = True
 
 
 def _chained(batch) -> bool:

@@ -149,7 +149,8 @@ _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": 
             "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows"),
             "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert"),
             "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention"),
-            "norm": ("triton_norm", "norm_rows"), "order": ("triton_place", "order_keys")}
+            "norm": ("triton_norm", "norm_rows"), "order": ("triton_place", "order_keys"),
+            "pairs": ("triton_scan", "pair_lowrank")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
@@ -188,20 +189,21 @@ _IDENTITY: dict = {}
 
 
 def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, use_qk_l2norm_in_kernel=False,
-                                  max_len=None, factors=False):
+                                  max_len=None, factors=False, values=False):
     """The reference signature (ops/reference/gated_delta.py): every run from [0 | I] with [v | 0].
     Runs of at most max_len <= 64 tokens (the caller's bound: reading the lengths would sync): the chunked
     Triton kernel, one small-matmul chunk per run; else the token-by-token Triton kernel (the identity
     made in registers); else fla's fused recurrent kernel from a cached [0 | I] (device lengths: no host
     sync); else the reference. Under autograd the reference: the kernels have no backward.
-    factors (T in factored form, reference `run_factors`): the chunked kernel, else the reference."""
+    factors (T in factored form, reference `run_factors`; with values, U in S's place, `run_values`): the chunked
+    kernel, else the reference."""
     kernels = not needs_grad(q, k, v, g, beta)
     if kernels and triton_here(q):
         from .triton_summary import CHUNK_MAX
 
         tries = [] if factors else [("summary", {})]
         if max_len is not None and max_len <= CHUNK_MAX:
-            tries.insert(0, ("chunk_summary", {"max_len": max_len, "factors": factors}))
+            tries.insert(0, ("chunk_summary", {"max_len": max_len, "factors": factors, "values": values}))
         for name, kw in tries:
             kern = triton_kernel(name)                # (autograd ruled out above: `kernels`)
             if kern is None:
@@ -226,7 +228,7 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
         return o[0, ..., :dv], o[0, ..., dv:], final
     return ref.recurrent_gated_delta_summary(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, max_len=max_len,
-                                             factors=factors)
+                                             factors=factors, values=values)
 
 
 def needs_grad(*ts) -> bool:

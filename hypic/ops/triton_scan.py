@@ -454,13 +454,26 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
 
 @triton.jit
 def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
-                         BR: tl.constexpr, PREC: tl.constexpr):
+                         BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, HALVES: tl.constexpr,
+                         BC: tl.constexpr = 0):
     """Program (pair row p, head h, block of BR rows of the map): rows of [c | M] = [S_e + P U | g T_e - P W],
-    P = T_e Kd^T (T_e = I, S_e = 0 where the row names no cached map)."""
-    p = tl.program_id(0)
+    P = T_e Kd^T (T_e = I, S_e = 0 where the row names no cached map). HALVES: two programs per block, one for M
+    and one for c (each forms P; the pair's two programs are adjacent in launch order, so T_e's second read is
+    likely an L2 hit), about half the live registers of one program doing both. BC > 0: the columns in chunks of
+    BC (P accumulated over T_e's column chunks, then M's and c's chunks each formed and stored), T_e's rows read
+    twice (the second from cache, likely), few live registers (`_pair_chunked`)."""
+    if BC > 0:
+        _pair_chunked(pairs, F, U, out, H, K, V, WF, BR, PREC, PW, BC)
+        return
+    if HALVES:
+        part = tl.program_id(0) % 2
+        p = tl.program_id(0) // 2
+    else:
+        part = 2
+        p = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2) * BR + tl.arange(0, BR)
-    row = pairs + p.to(tl.int64) * 4
+    row = pairs + p.to(tl.int64) * PW
     tv = tl.load(row)
     sv = tl.load(row + 1)
     i = tl.load(row + 2)                                  # the run's factors, U and output slot
@@ -469,27 +482,76 @@ def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: 
     ww = tl.arange(0, WF)
     fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
     kd = tl.load(fb + ww[:, None] * K + kk[None, :])                                   # [WF, K]
-    wf = tl.load(fb + (WF + ww)[:, None] * K + kk[None, :])                            # [WF, K]
-    g = tl.load(fb + 2 * WF * K)
-    u = tl.load(U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V + vv[None, :])   # [WF, V]
     cached = tv != 0
     tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K)
-    sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V)
     te = tl.load(tp + r[:, None] * K + kk[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, K]
-    se = tl.load(sp + r[:, None] * V + vv[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, V]
     te = tl.where(cached, te, tl.where(r[:, None] == kk[None, :], 1.0, 0.0))
     pk = tl.dot(te, tl.trans(kd), input_precision=PREC)                                # [BR, WF]
-    m = g * te - tl.dot(pk, wf, input_precision=PREC)
-    c = se + tl.dot(pk, u, input_precision=PREC)
     ob = out + (i * H + h).to(tl.int64) * (K * (V + K)) + r[:, None] * (V + K)
-    tl.store(ob + vv[None, :], c, mask=(r < K)[:, None])
-    tl.store(ob + V + kk[None, :], m, mask=(r < K)[:, None])
+    if part != 1:                                         # M = g T_e - P W
+        wf = tl.load(fb + (WF + ww)[:, None] * K + kk[None, :])                        # [WF, K]
+        g = tl.load(fb + 2 * WF * K)
+        m = g * te - tl.dot(pk, wf, input_precision=PREC)
+        tl.store(ob + V + kk[None, :], m, mask=(r < K)[:, None])
+    if part != 0:                                         # c = S_e + P U
+        sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V)
+        se = tl.load(sp + r[:, None] * V + vv[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, V]
+        u = tl.load(U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V + vv[None, :])   # [WF, V]
+        c = se + tl.dot(pk, u, input_precision=PREC)
+        tl.store(ob + vv[None, :], c, mask=(r < K)[:, None])
+
+
+@triton.jit
+def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
+                  BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr):
+    """_pair_lowrank_kernel's program with the columns in chunks of BC (K and V multiples of BC)."""
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.program_id(2) * BR + tl.arange(0, BR)
+    mr = (r < K)[:, None]
+    row = pairs + p.to(tl.int64) * PW
+    tv = tl.load(row)
+    sv = tl.load(row + 1)
+    i = tl.load(row + 2)
+    cc = tl.arange(0, BC)
+    ww = tl.arange(0, WF)
+    fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
+    cached = tv != 0
+    tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K) + r[:, None] * K
+    pk = tl.zeros((BR, WF), dtype=tl.float32)
+    for c0 in tl.static_range(0, K, BC):                  # P = T_e Kd^T over T_e's column chunks
+        te = tl.load(tp + (c0 + cc)[None, :], mask=cached & mr, other=0.0)
+        te = tl.where(cached, te, tl.where(r[:, None] == (c0 + cc)[None, :], 1.0, 0.0))
+        kd = tl.load(fb + ww[:, None] * K + (c0 + cc)[None, :])                        # [WF, BC]
+        pk = tl.dot(te, tl.trans(kd), pk, input_precision=PREC)
+    g = tl.load(fb + 2 * WF * K)
+    ob = out + (i * H + h).to(tl.int64) * (K * (V + K)) + r[:, None] * (V + K)
+    for c0 in tl.static_range(0, K, BC):                  # M = g T_e - P W
+        te = tl.load(tp + (c0 + cc)[None, :], mask=cached & mr, other=0.0)
+        te = tl.where(cached, te, tl.where(r[:, None] == (c0 + cc)[None, :], 1.0, 0.0))
+        wf = tl.load(fb + (WF + ww)[:, None] * K + (c0 + cc)[None, :])
+        tl.store(ob + V + (c0 + cc)[None, :], g * te - tl.dot(pk, wf, input_precision=PREC), mask=mr)
+    sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V) + r[:, None] * V
+    ub = U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V
+    for c0 in tl.static_range(0, V, BC):                  # c = S_e + P U
+        se = tl.load(sp + (c0 + cc)[None, :], mask=cached & mr, other=0.0)
+        u = tl.load(ub + (c0 + cc)[None, :])
+        tl.store(ob + (c0 + cc)[None, :], se + tl.dot(pk, u, input_precision=PREC), mask=mr)
+
+
+# (block rows, warps, halves: False / True, or a column chunk width) tried on a shape's first eager call; the first is
+# the default (H100 run 98: 167 us per layer at (32, 4) whole against 196-232 us at (64, 8), (16, 4), (32, 8); the
+# halves and the chunked form not yet measured)
+PAIR_CONFIGS = ((32, 4, False), (32, 4, True), (64, 4, True), (64, 8, True), (32, 4, 32), (64, 4, 32), (64, 8, 64),
+                (128, 8, 32))
+PAIR_TUNED: dict = {}
 
 
 def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, out: torch.Tensor, *,
-                 block_rows: int = 32, warps: int = 4, precision: str | None = None) -> torch.Tensor:
-    """Seam runs composed with the cached segment after them from the runs' low-rank factors (an experiment:
-    benchmarks/scan_bench.py `lowrank`; no compose pass uses it yet, docs/gpu-notes.md "Twenty-ninth session").
+                 block_rows: int | None = None, warps: int | None = None, halves: bool | int | None = None,
+                 tune: bool = True, precision: str | None = None) -> torch.Tensor:
+    """Seam runs composed with the cached segment after them from the runs' low-rank factors (the compose pass's
+    LOWRANK_PAIRS, layers/linear.py; benchmarks/scan_bench.py `lowrank` times it alone).
 
     A run of w <= WF tokens from zero has T_r = g I - Kd^T W and S_r = Kd^T U (factors [N, H, 2 WF + 1, K] as
     reference `run_factors` lays them out, U [N, H, WF, V] the WY-solved values, rows past a run's length zero); the
@@ -497,20 +559,40 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
 
         [c | M] = [S_e + P U | g T_e - P W]
 
-    three thin products per row block instead of a dense [K, K] x [K, V + K] one. pairs [P, 4] int64 (device): (T_e
-    address, S_e address, run index i, 0) per pair, T_e [H, K, K] and S_e [H, K, V] fp32 contiguous; address 0: the run
+    three thin products per row block instead of a dense [K, K] x [K, V + K] one (reference `pair_maps`). pairs
+    [P, >= 4] int64 (device, rows contiguous): (T_e address, S_e address, run index i, ...) per pair, T_e [H, K, K] and S_e [H, K, V] fp32 contiguous; address 0: the run
     alone (T_e = I, S_e = 0: its own dense [S_r | T_r]). Writes out[i] [H, K, V + K] (fp32, contiguous), where the
     chain scan reads a run's [S | T]. precision: tl.dot's (default: "tf32x3" on CUDA, fp32-level products on tensor
     cores: compiled for sm_90a offline, 255 registers and no spills at 32 rows and 4 warps, where "ieee" spills 368
-    bytes; "ieee" in Triton's interpreter)."""
+    bytes; "ieee" in Triton's interpreter). block_rows / warps / halves (True: two programs per row block, one for M and one for c; an int: the
+    columns in chunks of that width, `_pair_chunked`): a fixed configuration (else the tuned one of
+    PAIR_CONFIGS, timed on the shape's first eager CUDA call, or the first when tune is False)."""
     n, h, rows, k = factors.shape
     wf = (rows - 1) // 2
     v = U.shape[-1]
     if not (factors.is_contiguous() and U.is_contiguous() and out.is_contiguous() and U.shape == (n, h, wf, v)
             and out.shape[1:] == (h, k, v + k) and out.dtype == torch.float32 and wf >= 16):
         raise ValueError("factors [N, H, 2 WF + 1, K], U [N, H, WF, V], out [*, H, K, V + K] fp32 contiguous, WF >= 16")
-    if pairs.shape[0]:
-        _pair_lowrank_kernel[(pairs.shape[0], h, triton.cdiv(k, block_rows))](
-            pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=block_rows,
-            PREC=precision or ("tf32x3" if out.is_cuda else "ieee"), num_warps=warps)
+    if pairs.dim() != 2 or pairs.shape[1] < 4 or pairs.stride(1) != 1 or pairs.dtype != torch.int64:
+        raise ValueError("pairs must be int64 [P, >= 4] with contiguous rows")
+    prec = precision or ("tf32x3" if out.is_cuda else "ieee")
+
+    def launch(cfg):
+        br, w, hv = cfg
+        bc = 0 if isinstance(hv, bool) else int(hv)          # a chunk width (the chunked form) or whole columns
+        if bc and (k % bc or v % bc):
+            raise ValueError(f"column chunks of {bc} must tile K = {k} and V = {v}")
+        _pair_lowrank_kernel[(pairs.shape[0] * (2 if hv is True else 1), h, triton.cdiv(k, br))](
+            pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=br, PW=pairs.stride(0), PREC=prec, HALVES=hv is True,
+            BC=bc, num_warps=w)
+
+    if not pairs.shape[0]:
+        return out
+    cfg = PAIR_CONFIGS[0]
+    if block_rows is not None or warps is not None or halves is not None:
+        cfg = (block_rows or cfg[0], warps or cfg[1], cfg[2] if halves is None else halves)
+    elif tune:
+        cfg = tuned_config(PAIR_TUNED, (pairs.shape[0], h, k, v, wf, prec), PAIR_CONFIGS, out.device, launch, out,
+                           cfg, 1e-5)
+    launch(cfg)
     return out

@@ -15,7 +15,9 @@ once, on the host, to device tables, and the forward becomes a pure function of 
                scan a run's T in factored form, rank <= 16: layers/linear.py RUN_FACTORS); order [E + R] lists
                the slots in sequence order, then the pad runs as a second chain from zero (cu_maps
                [0, E + R_real, E + R]): the first chain's final state is the request's, and every
-               pad run gets a finite initial state without lengthening the request's chain
+               pad run gets a finite initial state without lengthening the request's chain; paired
+               (layers/linear.py LOWRANK_PAIRS), each run followed by a cached map takes that map into
+               its own (`pair_runs`), and cu_pairs bounds the shorter chains
     conv       one source buffer per linear layer: the initial window, the entries' tails packed,
                then the active raw inputs; conv_idx [Np, W] names each token's W inputs in it
     linear     the initial state [1, H, K, V] (the request's, after a cached prefix; else zero)
@@ -208,14 +210,30 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     tok_ids = np.zeros(np_, dtype=np.int64)
     tok_ids[:n] = ids[work.start:work.end]
     t = torch.from_numpy
+    paired = int((~pair_runs(np.asarray(order, dtype=np.int64), main, e)[0]).sum())
     tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), cu=t(cu),
                   cu_maps=torch.tensor([0, main, main + r - ri], dtype=torch.int32),
+                  cu_pairs=torch.tensor([0, main - paired, main + r - ri - paired], dtype=torch.int32),
                   order=torch.tensor(order, dtype=torch.int32),
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
         tables.update(conv_idx=t(conv_idx), window=t(window))
     return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask))
 
+
+
+def pair_runs(order: np.ndarray, main: int, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """The chain's runs paired with the cached map right after them (a seam window and the rest of its segment):
+    (keep [len(order)] bool: False at each paired cached map's step, which the pair's map takes over; the entry
+    that follows each run, [R] int64, -1 where none does). Steps 0..main-1 are the request's chain (the pad
+    chain after it is left alone)."""
+    keep = np.ones(order.shape[0], dtype=bool)
+    after = np.full(order.shape[0] - e, -1, dtype=np.int64)
+    j = np.arange(max(main - 1, 0))
+    hit = j[(order[j] >= e) & (order[j + 1] < e)]
+    keep[hit + 1] = False
+    after[order[hit] - e] = order[hit + 1]
+    return keep, after
 
 
 def pack_blocks(blocks: list, dst: torch.Tensor, row0: int = 0, last: list | None = None) -> list | None:
@@ -296,7 +314,7 @@ class ComposeBuffers:
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.ids, self.positions, self.logits_index = z(np_), z(np_), z(1)
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
-        self.cu_maps, self.order = z(3, dt=torch.int32), z(e + r, dt=torch.int32)
+        self.cu_maps, self.cu_pairs, self.order = z(3, dt=torch.int32), z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
         self.kpos, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(np_)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
@@ -316,7 +334,7 @@ class ComposeBuffers:
         for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
                                         "kperm", "qlast"] + (["conv_idx", "window"] if self.conv_idx is not None
                                                              else [])),
-                          (torch.int32, ["cu_maps", "order"])):
+                          (torch.int32, ["cu_maps", "cu_pairs", "order"])):
             sizes = [getattr(self, nm).numel() for nm in names]
             dev = torch.zeros(sum(sizes), dtype=dt, device=device)
             host = torch.zeros(sum(sizes), dtype=dt, pin_memory=cuda)
@@ -328,14 +346,16 @@ class ComposeBuffers:
             self._groups.append((dev, host, host.numpy()))
         self._copied = None              # an event after the last copy from the pinned host buffers (CUDA)
         # the chain step tables of the layers whose scan reads maps in place: one host and one device tensor,
-        # a row per layer, filled by each layer's compose_fill and copied piece by piece
+        # a row per layer, filled by each layer's compose_fill and copied piece by piece; each layer's E + R steps,
+        # then R rows for its runs' pairs (the low-rank pairs' table, where a layer pairs: layers/linear.py)
         self.steps = None
         users = shared.get("steps", [])
         if users:
-            host = torch.zeros(len(users), e + r, 6, dtype=torch.long, pin_memory=cuda)
-            dev = torch.zeros(len(users), e + r, 6, dtype=torch.long, device=device)
+            host = torch.zeros(len(users), e + 2 * r, 6, dtype=torch.long, pin_memory=cuda)
+            dev = torch.zeros(len(users), e + 2 * r, 6, dtype=torch.long, device=device)
             for i, buf in enumerate(users):
-                buf["steps_host"], buf["steps"] = host[i], dev[i]
+                buf["steps_host"], buf["steps"] = host[i, : e + r], dev[i, : e + r]
+                buf["pairs_host"], buf["pairs"] = host[i, e + r :], dev[i, e + r :]
             self.steps = (host, dev)
             self.steps_layers = [l for l in self.layers if any(self.layers[l] is b for b in users)]
         self.copy_tables: list = []

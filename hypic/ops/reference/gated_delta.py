@@ -133,12 +133,15 @@ def recurrent_gated_delta_rule(
 
 
 def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, use_qk_l2norm_in_kernel=False,
-                                  max_len=None, factors=False):
+                                  max_len=None, factors=False, values=False):
     """Every run of a varlen batch from zero, with its transition: K value columns appended ([v | 0]),
     the state started at [0 | I] (max_len: a bound on the run lengths, a hint for fast backends). Returns (o [N, HV, V], u [N, HV, K] the appended columns' outputs,
     in v's dtype; final [R, HV, K, V + K] fp32 = [S | T] per run).
     factors: the transition in its factored form instead, (o, u, S [R, HV, K, V], F [R, HV, 2 w + 1, K]) fp32, w =
-    factor_width(max_len) (`run_factors`)."""
+    factor_width(max_len) (`run_factors`); with values too, the runs' WY-solved values U [R, HV, w, V] in S's place
+    (`run_values`: S = Kd^T U, `values_to_state`)."""
+    if values and not factors:
+        raise ValueError("values (U) come with the factors")
     r = cu_seqlens.shape[0] - 1
     hv, dv, dk = v.shape[-2], v.shape[-1], k.shape[-1]
     init = torch.cat([torch.zeros(r, hv, dk, dv, device=v.device),
@@ -149,7 +152,11 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     if factors:
         if max_len is None:
             max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if r else 1
-        f = run_factors(k, g, beta, cu_seqlens, factor_width(max_len), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        w = factor_width(max_len)
+        f = run_factors(k, g, beta, cu_seqlens, w, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        if values:
+            return o[0, ..., :dv], o[0, ..., dv:], run_values(k, v, g, beta, cu_seqlens, w,
+                                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), f
         return o[0, ..., :dv], o[0, ..., dv:], final[..., :dv].contiguous(), f
     return o[0, ..., :dv], o[0, ..., dv:], final
 
@@ -225,6 +232,35 @@ def factors_to_dense(S: torch.Tensor, fac: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(fac.shape[-1], dtype=torch.float32, device=fac.device)
     T = fac[..., 2 * w, :1, None].float() * eye - fac[..., :w, :].transpose(-1, -2).float() @ fac[..., w : 2 * w, :].float()
     return torch.cat([S.float(), T], dim=-1)
+
+
+def values_to_state(U: torch.Tensor, fac: torch.Tensor) -> torch.Tensor:
+    """The runs' zero-start states S = Kd^T U [R, HV, K, V] fp32 from their WY-solved values U [R, HV, w, V]
+    (`run_values`) and factors [R, HV, 2 w + 1, K] (`run_factors`: Kd its first w rows)."""
+    w = (fac.shape[-2] - 1) // 2
+    return fac[..., :w, :].transpose(-1, -2).float() @ U.float()
+
+
+def pair_maps(fac: torch.Tensor, U: torch.Tensor, T_e: torch.Tensor | None = None,
+              S_e: torch.Tensor | None = None) -> torch.Tensor:
+    """Each run's map composed with the cached map after it, from the run's factors and values: with
+    T_r = g I - Kd^T W and S_r = Kd^T U, the pair (run, then (T_e, S_e)) maps x to T_e (T_r x + S_r) + S_e, i.e.
+
+        [c | M] = [S_e + P U | g T_e - P W],    P = T_e Kd^T
+
+    fac [R, HV, 2 w + 1, K], U [R, HV, w, V]; T_e [R, HV, K, K] and S_e [R, HV, K, V] (None: every run alone, its
+    own [S_r | T_r]). Returns [R, HV, K, V + K] fp32 (the dense composition the Triton kernel
+    `ops/triton_scan.pair_lowrank` forms by three thin products)."""
+    w = (fac.shape[-2] - 1) // 2
+    kd, wf, g = fac[..., :w, :].float(), fac[..., w : 2 * w, :].float(), fac[..., 2 * w, :1, None].float()
+    if T_e is None:
+        T_e = torch.eye(fac.shape[-1], dtype=torch.float32, device=fac.device).expand(*fac.shape[:2], -1, -1)
+    T_e = T_e.float()
+    P = T_e @ kd.transpose(-1, -2)
+    c = P @ U.float()
+    if S_e is not None:
+        c = c + S_e.float()
+    return torch.cat([c, g * T_e - P @ wf], dim=-1)
 
 
 def transition_by_augment(chunk, q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
