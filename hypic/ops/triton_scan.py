@@ -540,10 +540,9 @@ def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.cons
 
 
 # (block rows, warps, halves: False / True, or a column chunk width) tried on a shape's first eager call; the first is
-# the default (H100 run 98: 167 us per layer at (32, 4) whole against 196-232 us at (64, 8), (16, 4), (32, 8); the
-# halves and the chunked form not yet measured)
-PAIR_CONFIGS = ((32, 4, False), (32, 4, True), (64, 4, True), (64, 8, True), (32, 4, 32), (64, 4, 32), (64, 8, 64),
-                (128, 8, 32))
+# the default. H100 run 99 (scan_bench, us per layer at the warm request's shape): chunks of 32 at (128, 8) 135.5, at
+# (64, 4) 160.1; whole at (32, 4) 167.2 (run 98: whole at (16, 4), (64, 8), (32, 8) 196-232); halves 174-236
+PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True), (128, 4, 32), (128, 8, 64), (128, 16, 32))
 PAIR_TUNED: dict = {}
 
 
