@@ -1107,7 +1107,7 @@ def test_triton_pair_lowrank_in_interpreter():
     from [0 | I] (their dense [S | T]), their factors by reference `run_factors` and U by the same triangular system;
     [S_e + P U | g T_e - P W] equal to T_e [S_r | T_r] + [S_e | 0] in fp64 to fp32 rounding (1e-5), and a run with no
     cached map after it to its own [S_r | T_r]; in one program per row block, in two (halves) and with the columns in
-    chunks, from a table of 4-wide and of 6-wide rows (the compose pass's)."""
+    chunks, from a table of 4-wide and of 6-wide rows (the compose pass's); a row marked skipped writes nothing."""
     code = """
 import math, torch
 from hypic.ops.triton_scan import pair_lowrank
@@ -1145,6 +1145,11 @@ for table, rows, halves in ((pairs, 16, False), (pairs, 32, True), (wide, 16, Tr
     for i in range(3):
         err = float((out[i].double() - want[i]).abs().max() / want[i].abs().max())
         assert err < 1e-5, (i, err, rows, halves)
+    marked = table.clone()
+    marked[2, 3] = 1                                   # run 1 marked (a pad run): with skip_marked, not written
+    out = torch.full((len(lens), H, K, V + K), float("nan"))
+    pair_lowrank(marked, F, U, out, block_rows=rows, warps=4, halves=halves, skip_marked=True)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any(), (rows, halves)
 print("ok")
 """
     _run_in_interpreter(code)

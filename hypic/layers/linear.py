@@ -228,6 +228,7 @@ class LinearMixer(nn.Module):
                 pairs[:, 0] = np.where(after >= 0, addr[after, 0], 0)
                 pairs[:, 1] = np.where(after >= 0, addr[after, 1], 0)
                 pairs[:, 2] = np.arange(after.shape[0])
+                pairs[:, 3] = np.arange(after.shape[0]) >= int(low.tables["cu_maps"][1]) - e     # the pad runs
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
@@ -315,24 +316,25 @@ class LinearMixer(nn.Module):
         # the chain: entries' (T, S) from their slots, the runs' maps read where the kernel wrote them
         runs, factors = maps[0].float().contiguous(), (maps[1] if factored else None)
         final, cu_maps = None, c.cu_maps
+        # FUSE_CORRECTION: the scan corrects the runs' outputs in place as it reaches each run (its initial
+        # state in registers; o0 and u are the two column ranges of the summary's [N, H, V + K] outputs);
+        # else it writes the runs' initial states and `_corrected` applies them (gpu_bench times both)
+        dv = o0.shape[-1]
+        fused = (FUSE_CORRECTION and u.data_ptr() == o0.data_ptr() + dv * o0.element_size()
+                 and u.stride() == o0.stride() and o0.stride(1) == dv + u.shape[-1])
         if paired:
             # each run's dense map, composed with the cached map after it where one follows (the step table leaves
-            # that map's step out: cu_pairs), into the layers' shared buffer
+            # that map's step out: cu_pairs), into the layers' shared buffer; fused, the pad runs' maps are not made
+            # (no chain reads them: below)
             kern = triton_kernel("pairs")
             try:
-                runs = kern(buf["pairs"], factors, runs, buf["pair_maps"])
+                runs = kern(buf["pairs"], factors, runs, buf["pair_maps"], skip_marked=fused)
             except Exception as err:  # the unpaired chain by the dense maps below (eager)
                 kernel_failed("pairs", err)
                 runs = None
             else:
                 factors, cu_maps = None, c.cu_pairs
         if runs is not None and "steps" in buf and triton_kernel("steps") is not None:
-            # FUSE_CORRECTION: the scan corrects the runs' outputs in place as it reaches each run (its initial
-            # state in registers; o0 and u are the two column ranges of the summary's [N, H, V + K] outputs);
-            # else it writes the runs' initial states and `_corrected` applies them (gpu_bench times both)
-            dv = o0.shape[-1]
-            fused = (FUSE_CORRECTION and u.data_ptr() == o0.data_ptr() + dv * o0.element_size()
-                     and u.stride() == o0.stride() and o0.stride(1) == dv + u.shape[-1])
             full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1)) \
                 if fused else None
             # fused, the pad runs need no chain (their outputs only need to be finite, and are from zero): the

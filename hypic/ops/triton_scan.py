@@ -455,15 +455,16 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
 @triton.jit
 def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
                          BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, HALVES: tl.constexpr,
-                         BC: tl.constexpr = 0):
+                         BC: tl.constexpr = 0, SKIP: tl.constexpr = False):
     """Program (pair row p, head h, block of BR rows of the map): rows of [c | M] = [S_e + P U | g T_e - P W],
     P = T_e Kd^T (T_e = I, S_e = 0 where the row names no cached map). HALVES: two programs per block, one for M
     and one for c (each forms P; the pair's two programs are adjacent in launch order, so T_e's second read is
     likely an L2 hit), about half the live registers of one program doing both. BC > 0: the columns in chunks of
     BC (P accumulated over T_e's column chunks, then M's and c's chunks each formed and stored), T_e's rows read
-    twice (the second from cache, likely), few live registers (`_pair_chunked`)."""
+    twice (the second from cache, likely), few live registers (`_pair_chunked`). SKIP: a row whose fourth column is
+    not zero writes nothing (the compose pass's pad runs, when no chain reads their maps)."""
     if BC > 0:
-        _pair_chunked(pairs, F, U, out, H, K, V, WF, BR, PREC, PW, BC)
+        _pair_chunked(pairs, F, U, out, H, K, V, WF, BR, PREC, PW, BC, SKIP)
         return
     if HALVES:
         part = tl.program_id(0) % 2
@@ -477,6 +478,9 @@ def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: 
     tv = tl.load(row)
     sv = tl.load(row + 1)
     i = tl.load(row + 2)                                  # the run's factors, U and output slot
+    mr = (r < K)[:, None]
+    if SKIP:
+        mr = mr & (tl.load(row + 3) == 0)
     kk = tl.arange(0, K)
     vv = tl.arange(0, V)
     ww = tl.arange(0, WF)
@@ -492,24 +496,26 @@ def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: 
         wf = tl.load(fb + (WF + ww)[:, None] * K + kk[None, :])                        # [WF, K]
         g = tl.load(fb + 2 * WF * K)
         m = g * te - tl.dot(pk, wf, input_precision=PREC)
-        tl.store(ob + V + kk[None, :], m, mask=(r < K)[:, None])
+        tl.store(ob + V + kk[None, :], m, mask=mr)
     if part != 0:                                         # c = S_e + P U
         sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V)
         se = tl.load(sp + r[:, None] * V + vv[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, V]
         u = tl.load(U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V + vv[None, :])   # [WF, V]
         c = se + tl.dot(pk, u, input_precision=PREC)
-        tl.store(ob + vv[None, :], c, mask=(r < K)[:, None])
+        tl.store(ob + vv[None, :], c, mask=mr)
 
 
 @triton.jit
 def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
-                  BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr):
+                  BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr, SKIP: tl.constexpr):
     """_pair_lowrank_kernel's program with the columns in chunks of BC (K and V multiples of BC)."""
     p = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2) * BR + tl.arange(0, BR)
-    mr = (r < K)[:, None]
     row = pairs + p.to(tl.int64) * PW
+    mr = (r < K)[:, None]
+    if SKIP:                                              # (loads of T_e and S_e keep r < K: a skipped row has none)
+        mr = mr & (tl.load(row + 3) == 0)
     tv = tl.load(row)
     sv = tl.load(row + 1)
     i = tl.load(row + 2)
@@ -548,7 +554,7 @@ PAIR_TUNED: dict = {}
 
 def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, out: torch.Tensor, *,
                  block_rows: int | None = None, warps: int | None = None, halves: bool | int | None = None,
-                 tune: bool = True, precision: str | None = None) -> torch.Tensor:
+                 tune: bool = True, skip_marked: bool = False, precision: str | None = None) -> torch.Tensor:
     """Seam runs composed with the cached segment after them from the runs' low-rank factors (the compose pass's
     LOWRANK_PAIRS, layers/linear.py; benchmarks/scan_bench.py `lowrank` times it alone).
 
@@ -559,7 +565,8 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
         [c | M] = [S_e + P U | g T_e - P W]
 
     three thin products per row block instead of a dense [K, K] x [K, V + K] one (reference `pair_maps`). pairs
-    [P, >= 4] int64 (device, rows contiguous): (T_e address, S_e address, run index i, ...) per pair, T_e [H, K, K] and S_e [H, K, V] fp32 contiguous; address 0: the run
+    [P, >= 4] int64 (device, rows contiguous): (T_e address, S_e address, run index i, skip) per pair (skip_marked:
+    a row whose skip is not zero writes nothing), T_e [H, K, K] and S_e [H, K, V] fp32 contiguous; address 0: the run
     alone (T_e = I, S_e = 0: its own dense [S_r | T_r]). Writes out[i] [H, K, V + K] (fp32, contiguous), where the
     chain scan reads a run's [S | T]. precision: tl.dot's (default: "tf32x3" on CUDA, fp32-level products on tensor
     cores: compiled for sm_90a offline, 255 registers and no spills at 32 rows and 4 warps, where "ieee" spills 368
@@ -583,7 +590,7 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
             raise ValueError(f"column chunks of {bc} must tile K = {k} and V = {v}")
         _pair_lowrank_kernel[(pairs.shape[0] * (2 if hv is True else 1), h, triton.cdiv(k, br))](
             pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=br, PW=pairs.stride(0), PREC=prec, HALVES=hv is True,
-            BC=bc, num_warps=w)
+            BC=bc, SKIP=skip_marked, num_warps=w)
 
     if not pairs.shape[0]:
         return out
@@ -591,7 +598,7 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
     if block_rows is not None or warps is not None or halves is not None:
         cfg = (block_rows or cfg[0], warps or cfg[1], cfg[2] if halves is None else halves)
     elif tune:
-        cfg = tuned_config(PAIR_TUNED, (pairs.shape[0], h, k, v, wf, prec), PAIR_CONFIGS, out.device, launch, out,
-                           cfg, 1e-5)
+        cfg = tuned_config(PAIR_TUNED, (pairs.shape[0], h, k, v, wf, prec, skip_marked), PAIR_CONFIGS, out.device,
+                           launch, out, cfg, 1e-5)
     launch(cfg)
     return out
