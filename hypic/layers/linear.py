@@ -791,7 +791,8 @@ RUN_FACTORS = False
 # into a fixed buffer, and the chain takes one step per pair (the warm pic request: 24 steps per layer instead of 44).
 # Cost model (docs/gpu-notes.md "Twenty-ninth session"): 345 + 79 -> 239 + ~40 + ~40 us per layer. H100 run 98: the
 # pair kernel alone 167 us per layer (not ~40-80), yet the warm request -0.59 ms against dense runs, paired by round
-# (the shorter chain and the summary's smaller writes outweigh it). On since; gpu_bench's variant `runs_dense`.
+# (the shorter chain and the summary's smaller writes outweigh it); run 99, the pair kernel tuned (135.5 us): -0.82 ms.
+# On since; gpu_bench's variant `runs_dense`.
 LOWRANK_PAIRS = True
 
 
