@@ -1012,8 +1012,8 @@ from hypic.layers import linear as lin
 from hypic.runtime import compose_graph as cg
 cg.COPY_BY_ADDRESS = True                      # the fill's packing through the copy kernel (default: torch.cat)
 # the runs' transitions dense [S | T] (default), factored, or paired with the cached map after them (low rank)
-for factored, paired in ((False, False), (True, False), (False, True)):
-    lin.RUN_FACTORS, lin.LOWRANK_PAIRS = factored, paired
+for factored, paired, skip in ((False, False, False), (True, False, False), (False, True, False), (False, True, True)):
+    lin.RUN_FACTORS, lin.LOWRANK_PAIRS, lin.SKIP_PAD_PAIRS = factored, paired, skip   # skip: the pads' maps unmade
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
     got = [llm.generate([p], sp)[0] for p in ps]
     bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
@@ -1023,11 +1023,12 @@ for factored, paired in ((False, False), (True, False), (False, True)):
     assert lay0.get("factor_width") == (16 if factored or paired else None) and ("pair_maps" in lay0) == paired
     for a, b in zip(out["eager"], got):
         assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4, (factored, paired)
+    assert not fast.FAILED, fast.FAILED            # every kernel ran (no PyTorch form stood in for one)
     if paired:                  # the last request's chain: each seam run paired, so one step fewer per segment
         cu_m, cu_p = bufs0.cu_maps.tolist(), bufs0.cu_pairs.tolist()
         assert cu_m[1] - cu_p[1] == 3 and cu_m[2] - cu_p[2] == 3, (cu_m, cu_p)
         assert (lay0["pairs"][:, 0] != 0).sum() == 3
-lin.RUN_FACTORS = lin.LOWRANK_PAIRS = False
+lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary", "order"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):

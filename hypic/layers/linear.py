@@ -324,15 +324,18 @@ class LinearMixer(nn.Module):
                  and u.stride() == o0.stride() and o0.stride(1) == dv + u.shape[-1])
         if paired:
             # each run's dense map, composed with the cached map after it where one follows (the step table leaves
-            # that map's step out: cu_pairs), into the layers' shared buffer; fused, the pad runs' maps are not made
-            # (no chain reads them: below)
+            # that map's step out: cu_pairs), into the layers' shared buffer; fused, the pad runs' maps need not be
+            # made (no chain reads them: below; SKIP_PAD_PAIRS)
             kern = triton_kernel("pairs")
             try:
-                runs = kern(buf["pairs"], factors, runs, buf["pair_maps"], skip_marked=fused)
-            except Exception as err:  # the unpaired chain by the dense maps below (eager)
+                if kern is None:      # failed to build before: the unpaired chain by the dense maps below (eager)
+                    runs = None
+                else:
+                    runs = kern(buf["pairs"], factors, runs, buf["pair_maps"], skip_marked=SKIP_PAD_PAIRS and fused)
+            except Exception as err:
                 kernel_failed("pairs", err)
                 runs = None
-            else:
+            if runs is not None:
                 factors, cu_maps = None, c.cu_pairs
         if runs is not None and "steps" in buf and triton_kernel("steps") is not None:
             full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1)) \
@@ -794,6 +797,10 @@ RUN_FACTORS = False
 # (the shorter chain and the summary's smaller writes outweigh it); run 99, the pair kernel tuned (135.5 us): -0.82 ms.
 # On since; gpu_bench's variant `runs_dense`.
 LOWRANK_PAIRS = True
+# With the pairs, the pad runs' maps left unmade when the scan corrects the outputs itself (no chain reads them; 2 of
+# the warm request's 26 runs). Written and checked in Triton's interpreter after run 99; off until a GPU has run it
+# (gpu_bench's variant `pairs_skip_pads`).
+SKIP_PAD_PAIRS = False
 
 
 def _chained(batch) -> bool:

@@ -548,7 +548,7 @@ def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.cons
 # (block rows, warps, halves: False / True, or a column chunk width) tried on a shape's first eager call; the first is
 # the default. H100 run 99 (scan_bench, us per layer at the warm request's shape): chunks of 32 at (128, 8) 135.5, at
 # (64, 4) 160.1; whole at (32, 4) 167.2 (run 98: whole at (16, 4), (64, 8), (32, 8) 196-232); halves 174-236
-PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True), (128, 4, 32), (128, 8, 64), (128, 16, 32))
+PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True))     # (each built and run in run 99)
 PAIR_TUNED: dict = {}
 
 
@@ -572,7 +572,7 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
     cores: compiled for sm_90a offline, 255 registers and no spills at 32 rows and 4 warps, where "ieee" spills 368
     bytes; "ieee" in Triton's interpreter). block_rows / warps / halves (True: two programs per row block, one for M and one for c; an int: the
     columns in chunks of that width, `_pair_chunked`): a fixed configuration (else the tuned one of
-    PAIR_CONFIGS, timed on the shape's first eager CUDA call, or the first when tune is False)."""
+    PAIR_CONFIGS, timed on the shape's first eager CUDA call; else the first whose column chunks tile K and V)."""
     n, h, rows, k = factors.shape
     wf = (rows - 1) // 2
     v = U.shape[-1]
@@ -594,7 +594,8 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
 
     if not pairs.shape[0]:
         return out
-    cfg = PAIR_CONFIGS[0]
+    # the default: the first configuration whose column chunks (if any) tile K and V (the tiny presets: 16)
+    cfg = next((c for c in PAIR_CONFIGS if isinstance(c[2], bool) or (k % c[2] == 0 and v % c[2] == 0)), (32, 4, False))
     if block_rows is not None or warps is not None or halves is not None:
         cfg = (block_rows or cfg[0], warps or cfg[1], cfg[2] if halves is None else halves)
     elif tune:
