@@ -100,7 +100,8 @@ def other_builds():
         dict(H=2048, TOPK=8, SHARED=True, BH=1024), 4)))
     for br, w, prec, hv in ((32, 4, "tf32x3", False), (32, 4, "ieee", False), (64, 8, "ieee", False),
                             (32, 4, "tf32x3", True), (64, 4, "tf32x3", True), (64, 8, "tf32x3", True),
-                            (32, 4, "tf32x3", 32), (64, 4, "tf32x3", 32), (64, 8, "tf32x3", 64), (128, 8, "tf32x3", 32)):
+                            (32, 4, "tf32x3", 32), (64, 4, "tf32x3", 32), (64, 8, "tf32x3", 64),
+                            (128, 8, "tf32x3", 32)):
         form = "" if hv is False else ", halves" if hv is True else f", chunks of {hv}"
         rows.append(("pair_lowrank", f"rows {br}, warps {w}, {prec}{form}", kernel_build(
             ts._pair_lowrank_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32"),

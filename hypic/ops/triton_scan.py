@@ -570,9 +570,10 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
     alone (T_e = I, S_e = 0: its own dense [S_r | T_r]). Writes out[i] [H, K, V + K] (fp32, contiguous), where the
     chain scan reads a run's [S | T]. precision: tl.dot's (default: "tf32x3" on CUDA, fp32-level products on tensor
     cores: compiled for sm_90a offline, 255 registers and no spills at 32 rows and 4 warps, where "ieee" spills 368
-    bytes; "ieee" in Triton's interpreter). block_rows / warps / halves (True: two programs per row block, one for M and one for c; an int: the
-    columns in chunks of that width, `_pair_chunked`): a fixed configuration (else the tuned one of
-    PAIR_CONFIGS, timed on the shape's first eager CUDA call; else the first whose column chunks tile K and V)."""
+    bytes; "ieee" in Triton's interpreter). block_rows / warps / halves (True: two programs per row block, one for M
+    and one for c; an int: the columns in chunks of that width, `_pair_chunked`): a fixed configuration (else the
+    tuned one of PAIR_CONFIGS, timed on the shape's first eager CUDA call; else the first whose column chunks tile K
+    and V)."""
     n, h, rows, k = factors.shape
     wf = (rows - 1) // 2
     v = U.shape[-1]
