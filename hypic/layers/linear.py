@@ -214,21 +214,19 @@ class LinearMixer(nn.Module):
             buf["keep"], buf["parts"] = keep, parts
             rows = buf["steps_host"].numpy()
             paired = "pair_maps" in buf
-            is_run, off_t, off_s, ent, rest, kept, after = self._step_columns(low, buf.get("factor_width"), paired)
-            if kept is None:
+            is_run, off_t, off_s, ent, rest, pair_cols = self._step_columns(low, buf.get("factor_width"), paired)
+            if pair_cols is None:
                 rows[:, 0] = np.where(is_run, off_t, addr[ent, 0])
                 rows[:, 1] = np.where(is_run, off_s, addr[ent, 1])
                 rows[:, 2:] = rest
             else:       # a paired cached map's step left out (the pair's map, in its run's place, takes it over)
-                nk = kept.shape[0]
-                rows[:nk, 0] = np.where(is_run, off_t, addr[ent, 0])[kept]
-                rows[:nk, 1] = np.where(is_run, off_s, addr[ent, 1])[kept]
-                rows[:nk, 2:] = rest[kept]
-                pairs = buf["pairs_host"].numpy()              # run i: (T_e, S_e addresses or 0, i, ...)
-                pairs[:, 0] = np.where(after >= 0, addr[after, 0], 0)
-                pairs[:, 1] = np.where(after >= 0, addr[after, 1], 0)
-                pairs[:, 2] = np.arange(after.shape[0])
-                pairs[:, 3] = np.arange(after.shape[0]) >= int(low.tables["cu_maps"][1]) - e     # the pad runs
+                run_k, offs_k, ent_k, rest_k, after, has, cols = pair_cols
+                nk = ent_k.shape[0]
+                rows[:nk, :2] = np.where(run_k, offs_k, addr[ent_k])
+                rows[:nk, 2:] = rest_k
+                pairs = buf["pairs_host"].numpy()      # run i: (T_e, S_e addresses or 0, i, is a pad run, ...)
+                pairs[:, :2] = addr[after] * has
+                pairs[:, 2:4] = cols
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
@@ -249,8 +247,9 @@ class LinearMixer(nn.Module):
     def _step_columns(self, low, width: int | None, paired: bool = False):
         """The step table's columns every layer of this state shape shares, made once per request: is_run,
         each run's byte offsets (of its [S | T]; or, with factors of `width` rows and not paired, of its factors
-        and of its S), each cached map's entry index, (is_run, slot, first token, tokens), and with `paired`
-        the steps kept (indices; None without pairs) and the entry after each run (-1: none; `pair_runs`)."""
+        and of its S), each cached map's entry index, (is_run, slot, first token, tokens), and with `paired` (else
+        None) the kept steps' is_run [M', 1], offsets [M', 2], entry indices and rest columns, and per run the
+        entry after it (`pair_runs`; 0 where none), whether one follows [R, 1], and (run index, is a pad run) [R, 2]."""
         from ..runtime.compose_graph import pair_runs
 
         key = ("steps", self.state_shape, width, paired)
@@ -268,11 +267,17 @@ class LinearMixer(nn.Module):
                 off_t = off_s = ri * (h * k * (v + k) * 4)
             else:
                 off_t, off_s = ri * (h * (2 * width + 1) * k * 4), ri * (h * k * v * 4)
-            kept = after = None
+            ent = np.minimum(order, e - 1)
+            pair_cols = None
             if paired:
-                keep, after = pair_runs(order, int(low.tables["cu_maps"][1]), e)
-                kept = np.flatnonzero(keep)
-            hit = low.memo[key] = (is_run, off_t, off_s, np.minimum(order, e - 1), rest, kept, after)
+                real = int(low.tables["cu_maps"][1]) - e                    # the request's runs (then the pads)
+                keep, after = pair_runs(order, real + e, e)
+                k = np.flatnonzero(keep)
+                runs = np.arange(after.shape[0])
+                pair_cols = (is_run[k, None], np.stack([off_t[k], off_s[k]], 1), ent[k], rest[k],
+                             np.maximum(after, 0), (after >= 0)[:, None].astype(np.int64),
+                             np.stack([runs, runs >= real], 1))
+            hit = low.memo[key] = (is_run, off_t, off_s, ent, rest, pair_cols)
         return hit
 
     def _forward_captured(self, x, f, batch):
