@@ -398,6 +398,12 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (4, 16) if p != comp.pieces]
     left_out = set(filter(None, args.without.split(",")))
     variants = [v for v in variants if v[0] not in left_out]
+    only = set(filter(None, args.only.split(",")))
+    if only:
+        unknown = only - {v[0] for v in variants}
+        if unknown:                 # said, not fatal: the rest of the call's rows still run
+            print(f"--only: no variant named {sorted(unknown)} (known here: {[v[0] for v in variants]})", flush=True)
+        variants = [v for v in variants if v[0] == "default" or v[0] in only]
     tuned = _ts.TUNED if _ts is not None else {}
     print(f"scan tuner picks: {({k: v[0] for k, v in tuned.items()})}", flush=True)
     rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in tuned.items()}
@@ -463,6 +469,8 @@ def main():
     ap.add_argument("--all-variants", action="store_true", help="also the compose variants of runs 16-19")
     ap.add_argument("--without", default="", help="compose variants to leave out, comma-separated (e.g. one whose "
                                                    "GPU test failed in the same call: a fault would end the run)")
+    ap.add_argument("--only", default="", help="the compose variants to time beside the default, comma-separated "
+                                                "(instead of every variant but those of --without)")
     ap.add_argument("--ts-first", action="store_true", help="the (T, S) rows first (then the rest)")
     ap.add_argument("--ts-only", action="store_true", help="only the (T, S) rows")
     ap.add_argument("--skip-ts", action="store_true", help="no (T, S) rows (a call of its own: --ts-only)")
