@@ -46,6 +46,15 @@ def scan_build(bv=32, warps=8, stages=2, factors=False, correct=True, split=Fals
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}     # as the device specialises them
     src = ASTSource(fn=ts._scan_steps_kernel, signature=sig, constexprs=const, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    regs, stores, loads = _ptxas_counts(k)
+    return dict(registers=regs, spill_store_bytes=stores, spill_load_bytes=loads, shared=k.metadata.shared)
+
+
+def _ptxas_counts(k):
+    """A compiled Triton kernel's (registers, spill stores, spill loads in bytes) from the ptxas Triton ships, -v
+    for sm_90a (None where ptxas does not say)."""
+    import triton
+
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
@@ -53,9 +62,8 @@ def scan_build(bv=32, warps=8, stages=2, factors=False, correct=True, split=Fals
     os.unlink(f.name)
     used = re.search(r"Used (\d+) registers", r.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    regs = int(used.group(1)) if used else None
     stores, loads = (int(spills.group(1)), int(spills.group(2))) if spills else (None, None)
-    return dict(registers=regs, spill_store_bytes=stores, spill_load_bytes=loads, shared=k.metadata.shared)
+    return int(used.group(1)) if used else None, stores, loads
 
 
 def kernel_build(fn, sig: dict, const: dict, warps: int, stages: int = 1):
@@ -70,14 +78,8 @@ def kernel_build(fn, sig: dict, const: dict, warps: int, stages: int = 1):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
-    r = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    used = re.search(r"Used (\d+) registers", r.stderr)
-    spills = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return (int(used.group(1)) if used else None, int(spills.group(1)) if spills else None, k.metadata.shared)
+    regs, stores, _ = _ptxas_counts(k)
+    return regs, stores, k.metadata.shared
 
 
 def other_builds():
