@@ -250,8 +250,6 @@ class LinearMixer(nn.Module):
         and of its S), each cached map's entry index, (is_run, slot, first token, tokens), and with `paired` (else
         None) the kept steps' is_run [M', 1], offsets [M', 2], entry indices and rest columns, and per run the
         entry after it (`pair_runs`; 0 where none), whether one follows [R, 1], and (run index, is a pad run) [R, 2]."""
-        from ..runtime.compose_graph import pair_runs
-
         key = ("steps", self.state_shape, width, paired)
         hit = low.memo.get(key)
         if hit is None:
@@ -271,10 +269,10 @@ class LinearMixer(nn.Module):
             pair_cols = None
             if paired:
                 real = int(low.tables["cu_maps"][1]) - e                    # the request's runs (then the pads)
-                keep, after = pair_runs(order, real + e, e)
-                k = np.flatnonzero(keep)
+                keep, after = low.pairs                                    # (lowering: `pair_runs`)
+                kept = np.flatnonzero(keep)
                 runs = np.arange(after.shape[0])
-                pair_cols = (is_run[k, None], np.stack([off_t[k], off_s[k]], 1), ent[k], rest[k],
+                pair_cols = (is_run[kept, None], np.stack([off_t[kept], off_s[kept]], 1), ent[kept], rest[kept],
                              np.maximum(after, 0), (after >= 0)[:, None].astype(np.int64),
                              np.stack([runs, runs >= real], 1))
             hit = low.memo[key] = (is_run, off_t, off_s, ent, rest, pair_cols)

@@ -99,6 +99,7 @@ class Lowered:
     entries: list               # the Apply pieces' entries, storage order
     tail_rows: list             # rows each entry's tail occupies in the conv source (per linear layer: same)
     kmask: torch.Tensor         # the mask position of every key (host only: kperm and qlast are made from it)
+    pairs: tuple                # `pair_runs` of the chain: (steps kept, the entry after each run or -1)
     memo: dict = field(default_factory=dict)   # what the layers of one kind derive alike from the tables
 
 
@@ -210,7 +211,8 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     tok_ids = np.zeros(np_, dtype=np.int64)
     tok_ids[:n] = ids[work.start:work.end]
     t = torch.from_numpy
-    paired = int((~pair_runs(np.asarray(order, dtype=np.int64), main, e)[0]).sum())
+    pairs = pair_runs(np.asarray(order, dtype=np.int64), main, e)
+    paired = int((~pairs[0]).sum())
     tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), cu=t(cu),
                   cu_maps=torch.tensor([0, main, main + r - ri], dtype=torch.int32),
                   cu_pairs=torch.tensor([0, main - paired, main + r - ri - paired], dtype=torch.int32),
@@ -218,7 +220,7 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
         tables.update(conv_idx=t(conv_idx), window=t(window))
-    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask))
+    return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask), pairs)
 
 
 
