@@ -342,7 +342,9 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     # --all-variants also those decided before: the runs' outputs corrected after the scan instead of inside
     # it, the fill by a copy kernel (runs 32-35), the graph in 4 or 16 pieces (run 19 also timed seam runs
     # fused with the segment after them: 68.2 against 64.7 ms, removed)
+    from hypic.layers import attention as _attention
     from hypic.layers import linear as _linear
+    from hypic.runtime import compose_graph as _cg
     from hypic.runtime.compose_graph import GraphCompose
 
     try:
@@ -367,7 +369,10 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("route_by_torch", flag(_fast, "ROUTE_KERNELS", False), {}),          # before run 38
                 ("head_norms_by_fla", flag(_fast, "NORM_ROWS", False), {}),           # before run 49
                 ("order_keys_by_torch", flag(_fast, "ORDER_KERNEL", False), {}),      # before run 77
-                ("last_layer_all_rows", flag(_base, "PRUNE_LAST_LAYER", False), {})]  # before the 28th session
+                ("last_layer_all_rows", flag(_base, "PRUNE_LAST_LAYER", False), {}),  # before the 28th session
+                # the cached keys ordered inside the pass / the fills on the pass's stream (before the 31st session)
+                ("order_in_pass", flag(_attention, "ORDER_AHEAD", False), {}),
+                ("fills_in_line", flag(_cg, "SIDE_FILL", False), {})]
     if _tr is not None:
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
     try:
@@ -387,8 +392,6 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                       {}),
                      ("attention_unbalanced", flag(_ta, "BALANCE", False), {}),
                      ("attention_vsplit_2", flag(_ta, "VSPLIT", 2), {})]
-    from hypic.runtime import compose_graph as _cg
-
     # the graph in one piece (the whole fill, then one launch, as before run 34); a short first piece
     variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (1,) if p != comp.pieces]
     variants += [(f"first_piece_{f}_layers", nop, {"first": f}) for f in (1,) if f != comp.first_piece]

@@ -358,3 +358,48 @@ def test_order_keys_places_and_orders_like_rotary():
                 assert torch.equal(k, want) and torch.equal(ok, want[kperm]) and torch.equal(ov, values[kperm])
                 ok, ov = get_backend(name).order_keys(keys, values, kperm)
                 assert torch.equal(ok, keys[kperm]) and torch.equal(ov, values[kperm])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "bailing_hybrid", "kimi_linear"])
+def test_keys_ordered_ahead_equal_ordered_in_the_pass(hf_checkpoints, arch, monkeypatch):
+    """layers/attention.py ORDER_AHEAD: the fill places the cached keys and puts every key in position order ahead of
+    the pass, which then writes only its active tokens' keys and values into their places (the lowering's aslot).
+    The same values in the same places as ordering inside the pass: tokens and logits equal bit for bit (RoPE'd
+    keys, MLA's keys placed by its own rotation, NoPE keys), over requests that reuse one shape's buffers."""
+    from hypic.layers import attention
+
+    path = hf_checkpoints[arch][1]
+    outs = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(attention, "ORDER_AHEAD", ahead)
+        llm = LLM(str(path), seam=4, compose="static")
+        outs[ahead] = _one_by_one(llm, _prompts(11), n=3)
+        assert llm.engine.composer.runs >= 3
+        bufs = [b for b, *_ in llm.engine.composer.ready.values()]
+        assert all(("ok" in b.layers[l]) == ahead for b in bufs for l, m in llm.engine.model.mixers.items()
+                   if isinstance(m, attention.AttentionMixer))
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids
+        assert torch.equal(a.logits, b.logits)
+
+
+def test_aslot_names_each_active_key_place_in_position_order():
+    """The lowering's aslot: the place of each active (and pad) token's key among the keys in position order, so the
+    pass's writes through it give what gathering by kperm gives."""
+    from hypic.runtime.batch import BatchBuilder
+    from hypic.runtime.state import SeqState
+
+    class E:
+        def __init__(self, n):
+            self.cached_tokens, self.tail_len = n, 0
+            self.layers = {}
+
+    b = BatchBuilder("cpu")
+    w = b.add(SeqState(), [("run", [1, 2]), ("apply", E(10)), ("run", [3]), ("apply", E(2)), ("run", [4, 5, 6])])
+    low = lower(w, b.ids, b.pos, conv_width=0, held=0)
+    t, sh = low.tables, low.shape
+    kperm, aslot = t["kperm"], t["aslot"]
+    assert aslot.shape == (sh.tokens,)
+    active = torch.arange(sh.held + sh.keys, sh.held + sh.keys + sh.tokens)
+    assert torch.equal(kperm[aslot], active)
+    assert aslot[:6].tolist() == [0, 1, 12, 15, 16, 17]            # tokens at positions 0, 1, 12, 15, 16, 17

@@ -612,6 +612,7 @@ def test_cuda_graph_compose_with_low_rank_pairs():
           for o in ((0, 1, 2), (2, 0, 1), (1, 2, 0))]
     sp = SamplingParams(max_tokens=1, return_logits=True, ignore_eos=True)   # the compose pass's token only (no
     got = {}                                                                  # decode kernels to build: a short call)
+    saved = lin.LOWRANK_PAIRS
     for paired in (False, True):
         lin.LOWRANK_PAIRS = paired
         try:
@@ -622,10 +623,47 @@ def test_cuda_graph_compose_with_low_rank_pairs():
             lay0 = next(iter(comp.ready.values()))[0].layers[0]
             assert ("pair_maps" in lay0) == paired
         finally:
-            lin.LOWRANK_PAIRS = False
+            lin.LOWRANK_PAIRS = saved
     for a, b in zip(got[False][1:], got[True][1:]):
         assert a.token_ids == b.token_ids
         assert rel(b.logits, a.logits) < 1e-4
+
+
+@cuda
+def test_cuda_graph_compose_fills_beside_the_pass():
+    """SIDE_FILL (runtime/compose_graph.py) with ORDER_AHEAD (layers/attention.py): on replays in pieces, every fill
+    after the first runs on a side stream beside the pieces before it (the cached keys' copies, their placing and
+    ordering, the conv tails, the step tables), and the pass writes only the active tokens' keys into the ordered
+    buffers. Against both off (every fill on the pass's stream, keys ordered inside the pass): the same kernels on the
+    same values, so the tokens agree and the logits to bf16 rounding at most (a fill that a piece did not wait for,
+    or a stale ordered key, reorders whole segments' keys: far above that). Five requests of one shape: planned,
+    captured, then three staged replays, segments reordered each time."""
+    from hypic import LLM, Prompt, SamplingParams
+    from hypic.layers import attention
+    from hypic.runtime import compose_graph as cg
+
+    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200)), list(range(210, 260))]
+    ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 110)))
+          for o in ((0, 1, 2, 3), (2, 0, 3, 1), (1, 3, 0, 2), (3, 2, 1, 0), (0, 2, 1, 3))]
+    sp = SamplingParams(max_tokens=1, return_logits=True, ignore_eos=True)
+    got = {}
+    saved = attention.ORDER_AHEAD, cg.SIDE_FILL
+    for on in (False, True):
+        attention.ORDER_AHEAD = cg.SIDE_FILL = on
+        try:
+            llm = LLM("tiny-qwen3.5", device="cuda", dtype="bfloat16", seed=0, compose_pieces=3)
+            got[on] = [llm.generate([p], sp)[0] for p in ps]
+            comp = llm.engine.composer
+            assert comp.captures == 1 and comp.replays == 4 and (comp._side is not None) == on
+            bufs, graph = next(iter(comp.ready.values()))[:2]
+            assert len(graph.graphs) == 3
+            assert all(("ok" in bufs.layers[l]) == on for l, m in llm.engine.model.mixers.items()
+                       if isinstance(m, attention.AttentionMixer))
+        finally:
+            attention.ORDER_AHEAD, cg.SIDE_FILL = saved
+    for a, b in zip(got[False][1:], got[True][1:]):
+        assert a.token_ids == b.token_ids
+        assert rel(b.logits, a.logits) < 1e-3, ("bit-equal" if torch.equal(a.logits, b.logits) else "differ")
 
 
 @cuda
@@ -992,6 +1030,18 @@ for dt in (torch.float32, torch.bfloat16):
             assert torch.equal(torch.cat([k0[:lo], k0[lo + n:]]), torch.cat([k1[:lo], k1[lo + n:]]))
         c = triton_place.order_keys(keys.clone(), values, kperm)
         assert torch.equal(c[0], keys[kperm]) and torch.equal(c[1], values[kperm])
+        out = (torch.full_like(keys, float("nan")), torch.full_like(values, float("nan")))   # into fixed buffers
+        k2 = keys.clone()
+        c = triton_place.order_keys(k2, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=r, out=out)
+        assert c[0] is out[0] and c[1] is out[1] and torch.equal(out[0], b[0]) and torch.equal(out[1], b[1])
+        assert torch.equal(k2, k1)
+for bad in ((torch.empty_like(keys[1:]), torch.empty_like(values)), (keys.new_empty(keys.shape[::-1]).transpose(0, 2),
+                                                                     torch.empty_like(values))):
+    try:
+        triton_place.order_keys(keys, values, kperm, out=bad)
+        raise AssertionError("out buffers of another shape or layout must be refused")
+    except ValueError:
+        pass
 try:
     triton_place.order_keys(keys, values, kperm[1:])
     raise AssertionError("a kperm that leaves rows out must be refused")

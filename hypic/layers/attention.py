@@ -23,6 +23,10 @@ from .norm import RMSNorm, ScaledRMSNorm
 
 
 EVICT_EVERY = 256          # a sliding-window layer drops the keys it no longer sees once this many were appended
+# the compose pass's cached keys placed and put in position order by the fill, ahead of the pass (which may run it on
+# a stream of its own beside the layers before: runtime/compose_graph.py), so the pass only writes its active tokens'
+# keys and values into their places; False: placed and ordered inside the pass (gpu_bench's variant `order_in_pass`)
+ORDER_AHEAD = True
 
 
 class AttentionMixer(nn.Module):
@@ -141,8 +145,11 @@ class AttentionMixer(nn.Module):
         p, kc = shape.held, shape.keys
         keys, values = z(p + kc + shape.tokens, self.key_dim), z(p + kc + shape.tokens, self.value_dim)
         placed = keys[p : p + kc]
-        return dict(keys=keys, values=values, hk=keys[:p], placed=placed, kt=keys[p + kc :], hv=values[:p],
-                    v=values[p : p + kc], vt=values[p + kc :], k=z(kc, self.key_dim) if self.places_keys() else placed)
+        buf = dict(keys=keys, values=values, hk=keys[:p], placed=placed, kt=keys[p + kc :], hv=values[:p],
+                   v=values[p : p + kc], vt=values[p + kc :], k=z(kc, self.key_dim) if self.places_keys() else placed)
+        if ORDER_AHEAD:                 # the keys and values in position order (`compose_ahead`)
+            buf.update(ok=torch.empty_like(keys), ov=torch.empty_like(values))
+        return buf
 
     def compose_fill(self, buf: dict, low, L: int, copies: list | None = None) -> None:
         """The keys the request holds (as attended), then its cached segments' position-free keys and
@@ -166,6 +173,27 @@ class AttentionMixer(nn.Module):
         torch.cat([p.k for p in parts], out=buf["k"][: low.kc])
         torch.cat([p.v for p in parts], out=buf["v"][: low.kc])
 
+    def compose_ahead(self, buf: dict, low, tables) -> None:
+        """After the fill (ORDER_AHEAD): the cached keys placed at their positions (into `placed`, which the request
+        keeps) and every key and value put in position order into the buffers ok / ov, as the pass would before its
+        attention; the active tokens' rows there are the pass's to write (through aslot). Depends on the cached
+        tensors and the tables alone, so it may run before the pass reaches this layer. tables: the request's
+        ComposeBuffers (kperm, kpos; its scratch keeps the RoPE tables one request's layers share)."""
+        if "ok" not in buf:
+            return
+        self._in_position_order(buf, tables.kpos, tables.kperm, tables, (buf["ok"], buf["ov"]))
+
+    def _in_position_order(self, buf, kpos, kperm, batch, out=None):
+        """keys and values of the pass in position order (ops.order_keys), the cached keys placed on the way."""
+        keys, values = buf["keys"], buf["values"]
+        rope = self.key_tables(buf["k"], kpos, batch, "placed")
+        if rope is None:
+            if self.places_keys():                                     # placed some other way than RoPE tables
+                self.place_keys_into(buf["k"], buf["placed"], kpos, batch, "placed")
+            return self.ops.order_keys(keys, values, kperm, out=out)
+        return self.ops.order_keys(keys, values, kperm, free=buf["k"], lo=buf["hk"].shape[0], cos=rope[0],
+                                   sin=rope[1], rotary_dim=rope[2], out=out)
+
     def _forward_captured(self, x, batch):
         """Every cached key placed at its position (one RoPE call from the positions table), the active
         tokens' keys after them; each query attends to the keys whose position is at most its own (pads
@@ -183,15 +211,14 @@ class AttentionMixer(nn.Module):
         # fast kernel walks only the blocks before it), keys no query may see last. Gathered copies, not read
         # through kperm in the kernel: the index load before each key block stalled its pipeline (H200 run 15:
         # 0.75 ms per call through the index, 0.51 ms on gathered keys; the two copies ~0.04 ms). The cached keys
-        # are placed (RoPE, into `placed`, which the request keeps) by the same op that gathers (one launch on CUDA)
-        rope = self.key_tables(buf["k"], c.kpos, batch, "placed")
-        if rope is None:
-            if self.places_keys():                                     # placed some other way than RoPE tables
-                self.place_keys_into(buf["k"], buf["placed"], c.kpos, batch, "placed")
-            ok, ov = self.ops.order_keys(keys, values, c.kperm)
+        # are placed (RoPE, into `placed`, which the request keeps) by the same op that gathers (one launch on CUDA).
+        # ORDER_AHEAD: that was done by the fill (`compose_ahead`); here only the active tokens' rows go to their places
+        if "ok" in buf:
+            ok, ov = buf["ok"], buf["ov"]
+            ok.index_copy_(0, c.aslot, buf["kt"])
+            ov.index_copy_(0, c.aslot, buf["vt"])
         else:
-            ok, ov = self.ops.order_keys(keys, values, c.kperm, free=buf["k"], lo=buf["hk"].shape[0], cos=rope[0],
-                                         sin=rope[1], rotary_dim=rope[2])
+            ok, ov = self._in_position_order(buf, c.kpos, c.kperm, batch)
         if batch.keep is None:
             out = self.ops.position_attention(q, ok, ov, c.qlast, c.kidx, scale=self.scale, sorted_keys=True)
         else:                             # the last layer: the logits rows only (the others zero)

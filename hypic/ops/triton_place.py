@@ -66,17 +66,23 @@ def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs
     tl.store(ok + out_row[:, None] * W + ck[None, :], k_row, mask=rmask[:, None] & col_ok[None, :])
 
 
-def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0):
+def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0, out=None):
     """ops/reference/attention.order_keys in one launch (its docstring has the layout). keys, values, free, cos and
-    sin contiguous in their rows (the compose pass's buffers are)."""
+    sin contiguous in their rows (the compose pass's buffers are); out: contiguous (ok, ov) to write into."""
     n_keys, hkv, d = keys.shape
     w, wv, m = hkv * d, values.shape[1] * values.shape[2], kperm.shape[0]
     if not (keys.is_contiguous() and values.is_contiguous()):
         raise ValueError("order_keys: keys and values must be contiguous")
     if m != n_keys or values.shape[0] != n_keys:
         raise ValueError(f"order_keys: kperm must order all {n_keys} rows, got {m} for {values.shape[0]} values")
-    ok = keys.new_empty((m, hkv, d))
-    ov = values.new_empty((m,) + tuple(values.shape[1:]))
+    if out is None:
+        ok = keys.new_empty((m, hkv, d))
+        ov = values.new_empty((m,) + tuple(values.shape[1:]))
+    else:
+        ok, ov = out
+        if (ok.shape != keys.shape or ov.shape != values.shape or ok.dtype != keys.dtype or ov.dtype != values.dtype
+                or not (ok.is_contiguous() and ov.is_contiguous())):
+            raise ValueError("order_keys: out must be contiguous buffers of the keys' and values' shapes and dtypes")
     if m == 0:
         return ok, ov
     place = free is not None and free.shape[0] > 0

@@ -63,6 +63,11 @@ _NEVER = 1 << 62        # the mask position of a key no query may see
 # Off: with the fill staged per piece, only the first piece's fill delays the GPU, and torch.cat was 0.2-0.3 ms
 # faster end to end in both interleaved runs (H200 runs 34, 35); kept as gpu_bench's variant `fill_by_address`
 COPY_BY_ADDRESS = False
+# with the graph in pieces on CUDA, the fills after the first on a stream of their own: a piece's fill (the cached keys'
+# and values' copies and their ordering, layers/attention.py ORDER_AHEAD; the conv tails; the step tables) runs beside
+# the pieces before it instead of between them, and only its own piece waits for it; False: every fill on the pass's
+# stream (gpu_bench's variant `fills_in_line`)
+SIDE_FILL = True
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,11 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
         kperm = np.argsort(kmask, kind="stable")
         sorted_mask = kmask[kperm]
     qlast = np.searchsorted(sorted_mask, tok_pos, side="right") - 1        # pads (position 0): key 0
+    # each active (and pad) token's key's place in position order: the pass writes its key there (the cached keys
+    # are put in order ahead of it, layers/attention.py ORDER_AHEAD)
+    aslot = np.empty_like(kperm)
+    aslot[kperm] = np.arange(kperm.shape[0], dtype=np.int64)
+    aslot = aslot[p0 + shape.keys :]
     tok_ids = np.zeros(np_, dtype=np.int64)
     tok_ids[:n] = ids[work.start:work.end]
     t = torch.from_numpy
@@ -217,7 +227,8 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
                   cu_maps=torch.tensor([0, main, main + r - ri], dtype=torch.int32),
                   cu_pairs=torch.tensor([0, main - paired, main + r - ri - paired], dtype=torch.int32),
                   order=torch.tensor(order, dtype=torch.int32),
-                  run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
+                  run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast),
+                  aslot=t(aslot))
     if conv_width:
         tables.update(conv_idx=t(conv_idx), window=t(window))
     return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask), pairs)
@@ -318,7 +329,7 @@ class ComposeBuffers:
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
         self.cu_maps, self.cu_pairs, self.order = z(3, dt=torch.int32), z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
-        self.kpos, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(np_)
+        self.kpos, self.kperm, self.qlast, self.aslot = z(shape.keys), z(nkeys), z(np_), z(np_)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
         self.conv_idx, self.window = None, None
         self.layers = {}
@@ -334,8 +345,8 @@ class ComposeBuffers:
         cuda = device.type == "cuda"
         self._groups, self._slots = [], {}       # (device, host, host as numpy) per dtype; table -> (group, a, b)
         for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
-                                        "kperm", "qlast"] + (["conv_idx", "window"] if self.conv_idx is not None
-                                                             else [])),
+                                        "kperm", "qlast", "aslot"] + (["conv_idx", "window"] if self.conv_idx
+                                                                      is not None else [])),
                           (torch.int32, ["cu_maps", "cu_pairs", "order"])):
             sizes = [getattr(self, nm).numel() for nm in names]
             dev = torch.zeros(sum(sizes), dtype=dt, device=device)
@@ -361,6 +372,7 @@ class ComposeBuffers:
             self.steps = (host, dev)
             self.steps_layers = [l for l in self.layers if any(self.layers[l] is b for b in users)]
         self.copy_tables: list = []
+        self.scratch: dict = {}          # what the fills of one request derive alike (RoPE tables of the cached keys)
 
     def batch(self) -> ForwardBatch:
         return ForwardBatch(self.ids, self.positions, [], self.logits_index, captured=self)
@@ -383,6 +395,7 @@ class ComposeBuffers:
                 dev.copy_(host, non_blocking=True)
             self._mark_copied()
             self.copy_tables = []
+            self.scratch.clear()
 
     def _mark_copied(self) -> None:
         if self.device.type == "cuda":
@@ -407,6 +420,10 @@ class ComposeBuffers:
                 kernel_failed("copy", e)
                 for l, m in mixers:
                     m.compose_fill(self.layers[l], low, l)
+        for l, m in mixers:          # what a layer makes of its cached tensors alone (before the pass reaches it)
+            ahead = getattr(m, "compose_ahead", None)
+            if ahead is not None:
+                ahead(self.layers[l], low, self)
         if self.steps is not None:
             rows = [i for i, l in enumerate(self.steps_layers) if lo <= l < hi]
             if rows:
@@ -442,6 +459,7 @@ class GraphCompose:
         self.runs = 0                                # requests composed over the fixed buffers
         self.capture_error: str | None = None
         self.pending = None                          # (work, outputs, buffers, lowered) whose states are not made yet
+        self._side = None                            # the later pieces' fill stream (SIDE_FILL; made on first use)
 
     def clear(self) -> None:
         """Drop every shape's buffers and graph (they hold copies of cached entries' tensors)."""
@@ -502,6 +520,37 @@ class GraphCompose:
                 work.state.layers[l] = m.compose_state(outputs[l], bufs, low, work.state.layers.get(l),
                                                        work.state.capacity_hint)
 
+    def _filler(self, bufs, low, staged: bool):
+        """What a replay runs on the host before each piece (None: the buffers were filled whole). With SIDE_FILL on
+        CUDA, the first piece's fill goes on the pass's stream and every later one on a side stream that waited for
+        everything queued up to the end of that first fill (the tables' copies, the last request's reads of these
+        buffers, what the first fill made for the others: RoPE tables), not for the first piece; the pass's stream
+        waits for a fill just before that fill's piece, so the fill runs beside the pieces before it."""
+        if not staged:
+            return None
+        side = main = None
+        if SIDE_FILL and self.device.type == "cuda":
+            main = torch.cuda.current_stream(self.device)
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            side = self._side
+
+        def fill(lo, hi):
+            with span("compose.fill"):
+                if side is None or lo == 0:          # (replay: the first piece's fill comes first)
+                    bufs.fill(low, lo, hi)
+                    if side is not None:
+                        side.wait_stream(main)
+                    return
+                with torch.cuda.stream(side):
+                    bufs.fill(low, lo, hi)
+                for l in range(lo, hi):       # tensors a fill made there (maps copied to fp32) are read on main
+                    for t in bufs.layers.get(l, {}).get("keep", ()):
+                        t.record_stream(main)
+                main.wait_stream(side)
+
+        return fill
+
     @torch.inference_mode()
     def forward(self, work: SeqWork, ids: list[int], positions: list[int], exact: bool,
                 defer: bool = False) -> torch.Tensor | None:
@@ -533,12 +582,9 @@ class GraphCompose:
         if self.graphs and hit[1] is None:
             self._capture(hit)
         if hit[1] is not None:
-            def fill(lo, hi):
-                with span("compose.fill"):
-                    bufs.fill(low, lo, hi)
-
+            fill = self._filler(bufs, low, staged)
             with span("compose.replay"):
-                hit[1].replay(fill if staged else None)
+                hit[1].replay(fill)
             logits, outputs = hit[2], hit[3][1]
             self.replays += 1
         else:

@@ -54,7 +54,7 @@ def decode_attention(q, k, v, lengths, *, scale: float, allowed=None):
     return torch.cat(out)
 
 
-def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0):
+def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0, out=None):
     """The compose pass's keys and values in position order (the attention's operands), with a cached run of keys
     placed first.
 
@@ -66,10 +66,15 @@ def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=Non
     the buffer keeps them: they are the request's keys after the pass), before the gather. The products and
     sums in the roundings of `layers/rope.Rotary.apply_into` (x1 c - x2 s and x2 c + x1 s, each product
     rounded to the dtype first).
+    out (optional): (ok, ov) of keys' and values' shapes and dtypes to write them into (fixed buffers).
     Returns (keys[kperm], values[kperm])."""
     if free is not None:
         rope_into(free, cos, sin, keys[lo : lo + free.shape[0]], rotary_dim)
-    return keys[kperm], values[kperm]
+    if out is None:
+        return keys[kperm], values[kperm]
+    torch.index_select(keys, 0, kperm, out=out[0])
+    torch.index_select(values, 0, kperm, out=out[1])
+    return out
 
 
 def rope_into(x, cos, sin, out, rotary_dim: int) -> None:
