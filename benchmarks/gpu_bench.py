@@ -370,9 +370,10 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("head_norms_by_fla", flag(_fast, "NORM_ROWS", False), {}),           # before run 49
                 ("order_keys_by_torch", flag(_fast, "ORDER_KERNEL", False), {}),      # before run 77
                 ("last_layer_all_rows", flag(_base, "PRUNE_LAST_LAYER", False), {}),  # before the 28th session
-                # the cached keys ordered inside the pass / the fills on the pass's stream (before the 31st session)
-                ("order_in_pass", flag(_attention, "ORDER_AHEAD", False), {}),
-                ("fills_in_line", flag(_cg, "SIDE_FILL", False), {})]
+                # the cached keys ordered by the fill ahead of the pass / the later fills on a side stream (31st
+                # session; no gain in H100 runs 102-103: off)
+                ("order_ahead", flag(_attention, "ORDER_AHEAD", True), {}),
+                ("fills_beside", flag(_cg, "SIDE_FILL", True), {})]
     if _tr is not None:
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
     try:

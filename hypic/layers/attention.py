@@ -25,8 +25,9 @@ from .norm import RMSNorm, ScaledRMSNorm
 EVICT_EVERY = 256          # a sliding-window layer drops the keys it no longer sees once this many were appended
 # the compose pass's cached keys placed and put in position order by the fill, ahead of the pass (which may run it on
 # a stream of its own beside the layers before: runtime/compose_graph.py), so the pass only writes its active tokens'
-# keys and values into their places; False: placed and ordered inside the pass (gpu_bench's variant `order_in_pass`)
-ORDER_AHEAD = True
+# keys and values into their places. Off: 0.57 ms slower on the warm request than ordering inside the pass (H100 run
+# 102, paired by round; gpu_bench's variant `order_ahead`)
+ORDER_AHEAD = False
 
 
 class AttentionMixer(nn.Module):

@@ -64,10 +64,11 @@ _NEVER = 1 << 62        # the mask position of a key no query may see
 # faster end to end in both interleaved runs (H200 runs 34, 35); kept as gpu_bench's variant `fill_by_address`
 COPY_BY_ADDRESS = False
 # with the graph in pieces on CUDA, the fills after the first on a stream of their own: a piece's fill (the cached keys'
-# and values' copies and their ordering, layers/attention.py ORDER_AHEAD; the conv tails; the step tables) runs beside
-# the pieces before it instead of between them, and only its own piece waits for it; False: every fill on the pass's
-# stream (gpu_bench's variant `fills_in_line`)
-SIDE_FILL = True
+# and values' copies, with layers/attention.py ORDER_AHEAD their ordering too; the conv tails; the step tables) runs
+# beside the pieces before it instead of between them, and only its own piece waits for it. Off: no gain measured
+# (H100 run 103, paired by round: every fill on the pass's stream -0.02 ms against it; with the keys ordered ahead,
+# +0.43 ms in run 102, but ordering ahead itself cost more); gpu_bench's variant `fills_beside`
+SIDE_FILL = False
 
 
 @dataclass(frozen=True)
