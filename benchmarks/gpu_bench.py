@@ -373,7 +373,11 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 # the cached keys ordered by the fill ahead of the pass / the later fills on a side stream (31st
                 # session; no gain in H100 runs 102-103: off)
                 ("order_ahead", flag(_attention, "ORDER_AHEAD", True), {}),
-                ("fills_beside", flag(_cg, "SIDE_FILL", True), {})]
+                ("fills_beside", flag(_cg, "SIDE_FILL", True), {}),
+                # the runs cut into pieces of 32 or 64 tokens instead of 16 (the 64-token query: 2 or 1 chain steps,
+                # not 4; every run's summary chunk, pair factors and scan correction rows 32 or 64 wide)
+                ("sub_run_32", flag(_cg, "SUB_RUN", 32), {}),
+                ("sub_run_64", flag(_cg, "SUB_RUN", 64), {})]
     if _tr is not None:
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
     try:

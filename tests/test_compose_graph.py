@@ -403,3 +403,22 @@ def test_aslot_names_each_active_key_place_in_position_order():
     active = torch.arange(sh.held + sh.keys, sh.held + sh.keys + sh.tokens)
     assert torch.equal(kperm[aslot], active)
     assert aslot[:6].tolist() == [0, 1, 12, 15, 16, 17]            # tokens at positions 0, 1, 12, 15, 16, 17
+
+
+@pytest.mark.parametrize("sub", [32, 64])
+def test_longer_run_pieces_equal_planned_walk(hf_checkpoints, sub, monkeypatch):
+    """SUB_RUN: the runs cut into pieces of 32 or 64 tokens (fewer chain steps for a long query; wider chunks) give
+    the planned walk's tokens and logits; the pads stay in pieces of PAD_RUN, so the longest run is a real one."""
+    from hypic.runtime import compose_graph as cg
+
+    monkeypatch.setattr(cg, "SUB_RUN", sub)
+    path = hf_checkpoints["qwen3_5"][1]
+    prompts = _prompts(5)
+    ref = _one_by_one(LLM(str(path), seam=4, compose="eager"), prompts, n=3)
+    llm = LLM(str(path), seam=4, compose="static")
+    got = _one_by_one(llm, prompts, n=3)
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+    shapes = list(llm.engine.composer.ready)
+    assert max(s.lmax for s in shapes) == min(sub, 48)             # the 41-token query: one piece of 41 at 64

@@ -1061,16 +1061,22 @@ out["eager"] = [llm.generate([p], sp)[0] for p in ps]
 from hypic.layers import linear as lin
 from hypic.runtime import compose_graph as cg
 cg.COPY_BY_ADDRESS = True                      # the fill's packing through the copy kernel (default: torch.cat)
-# the runs' transitions dense [S | T] (default), factored, or paired with the cached map after them (low rank)
-for factored, paired, skip in ((False, False, False), (True, False, False), (False, True, False), (False, True, True)):
+# the runs' transitions dense [S | T] (default), factored, or paired with the cached map after them (low rank); runs cut
+# into pieces of 16 tokens (default), 32 or 64 (the 41-token query in two pieces or one: the summary's chunk, the pairs'
+# factors and the scan's correction rows 64 wide)
+for factored, paired, skip, sub in ((False, False, False, 16), (True, False, False, 16), (False, True, False, 16),
+                                    (False, True, True, 16), (False, True, False, 32), (False, True, False, 64)):
     lin.RUN_FACTORS, lin.LOWRANK_PAIRS, lin.SKIP_PAD_PAIRS = factored, paired, skip   # skip: the pads' maps unmade
+    cg.SUB_RUN = sub
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
     got = [llm.generate([p], sp)[0] for p in ps]
     bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
     assert getattr(bufs0, "copy_tables", None)                      # the fill went through the copy kernel
     lay0 = bufs0.layers[0]
     assert llm.engine.composer.runs == len(ps) and "steps" in lay0
-    assert lay0.get("factor_width") == (16 if factored or paired else None) and ("pair_maps" in lay0) == paired
+    width = max(16, 1 << (bufs0.shape.lmax - 1).bit_length())       # (the factors' rows: lmax to a power of two)
+    assert lay0.get("factor_width") == (width if factored or paired else None) and ("pair_maps" in lay0) == paired
+    assert width == 16 or sub > 16
     for a, b in zip(out["eager"], got):
         assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4, (factored, paired)
     assert not fast.FAILED, fast.FAILED            # every kernel ran (no PyTorch form stood in for one)
@@ -1078,7 +1084,11 @@ for factored, paired, skip in ((False, False, False), (True, False, False), (Fal
         cu_m, cu_p = bufs0.cu_maps.tolist(), bufs0.cu_pairs.tolist()
         assert cu_m[1] - cu_p[1] == 3 and cu_m[2] - cu_p[2] == 3, (cu_m, cu_p)
         assert (lay0["pairs"][:, 0] != 0).sum() == 3
+    if sub > 16:                # the longest run of the last request (41 tokens) in one or two pieces (the pads too)
+        lmax = [s.lmax for s in llm.engine.composer.ready][-1]
+        assert lmax == 32 if sub == 32 else lmax > 32, lmax
 lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
+cg.SUB_RUN = 16
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary", "order"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):

@@ -57,6 +57,7 @@ log = logging.getLogger("hypic.compose")
 
 MAX_RUN = 256           # longest run the lowering takes (longer: the planned walk's chunked kernel)
 SUB_RUN = 16            # the pieces a run is cut into (one map more in the chain per piece)
+PAD_RUN = 16            # the pad tokens' runs (their length only has to stay within the longest real run's chunk)
 MAX_TOKENS = 2048       # most active tokens
 _NEVER = 1 << 62        # the mask position of a key no query may see
 # the fill's packing in one launch per graph piece (ops/triton_copy.py) where Triton runs; False: torch.cat per layer.
@@ -123,7 +124,8 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     pad = np_ - n
     pieces = _cut(work.pieces, SUB_RUN)
     runs = [p for p in pieces if isinstance(p, Run)]
-    pads = [min(SUB_RUN, pad - a) for a in range(0, pad, SUB_RUN)]
+    step = min(SUB_RUN, PAD_RUN)
+    pads = [min(step, pad - a) for a in range(0, pad, step)]
     e, r = len(applies), len(runs) + len(pads)
     lens = [p.n for p in runs] + pads
     lmax = _round(max(lens), 8)
