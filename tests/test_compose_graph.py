@@ -412,6 +412,7 @@ def test_longer_run_pieces_equal_planned_walk(hf_checkpoints, sub, monkeypatch):
     from hypic.runtime import compose_graph as cg
 
     monkeypatch.setattr(cg, "SUB_RUN", sub)
+    monkeypatch.setattr(cg, "QUERY_TAIL", 0)                      # (a query past SUB_RUN: in pieces, chained)
     path = hf_checkpoints["qwen3_5"][1]
     prompts = _prompts(5)
     ref = _one_by_one(LLM(str(path), seam=4, compose="eager"), prompts, n=3)
@@ -422,3 +423,59 @@ def test_longer_run_pieces_equal_planned_walk(hf_checkpoints, sub, monkeypatch):
         torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
     shapes = list(llm.engine.composer.ready)
     assert max(s.lmax for s in shapes) == min(sub, 48)             # the 41-token query: one piece of 41 at 64
+
+
+def test_lowering_a_query_tail():
+    """QUERY_TAIL: a last run longer than SUB_RUN (up to tail_max) stays one run, last in storage and outside both chains
+    (the chain ends where it starts); no pad runs (the pads' rows belong to no run: row_kind 2); the correction's
+    gather points the tail's and pads' rows at run 0's first row (their outputs are the tail's to write)."""
+    from hypic.runtime.batch import BatchBuilder
+    from hypic.runtime.compose_graph import pair_runs
+    from hypic.runtime.state import SeqState
+
+    class E:
+        def __init__(self, n):
+            self.cached_tokens, self.tail_len = n, 0
+            self.layers = {}
+
+    b = BatchBuilder("cpu")
+    query = list(range(100, 141))                                    # 41 tokens
+    w = b.add(SeqState(), [("run", [1, 2]), ("apply", E(10)), ("run", [3]), ("apply", E(2)), ("run", query)])
+    low = lower(w, b.ids, b.pos, conv_width=0, held=0, tail_max=64)
+    sh, t = low.shape, low.tables
+    assert sh == ComposeShape(tokens=64, runs=3, entries=2, keys=256, held=0, lmax=8, tail=64)
+    assert t["cu"].tolist() == [0, 2, 3, 44]                         # two chained runs, then the tail; no pad runs
+    assert t["order"].tolist() == [2, 0, 3, 1, 4]                    # the tail's slot (4) last
+    assert t["cu_maps"].tolist() == [0, 4, 4] and t["cu_pairs"].tolist() == [0, 2, 2]
+    assert t["row_kind"].tolist() == [0] * 3 + [1] * 41 + [2] * 20
+    assert t["run_of"].tolist() == [0, 0, 1] + [2] * 61 and t["pos_in_run"].tolist() == [0, 1] + [0] * 62
+    keep, after = low.pairs
+    assert keep.tolist() == [True, False, True, False, True] and after.tolist() == [0, 1, -1]
+    assert pair_runs(t["order"].numpy().astype("int64"), 4, 2)[1].tolist() == [0, 1, -1]   # the tail pairs with none
+    # not a tail: within SUB_RUN, past tail_max, or off
+    for q, tail_max in ((list(range(100, 110)), 64), (list(range(100, 180)), 64), (query, 0)):
+        b = BatchBuilder("cpu")
+        w = b.add(SeqState(), [("run", [1, 2]), ("apply", E(10)), ("run", q)])
+        low = lower(w, b.ids, b.pos, conv_width=0, held=0, tail_max=tail_max)
+        assert low.shape.tail == 0 and "row_kind" not in low.tables
+
+
+def test_query_tail_on_and_off_equal_planned_walk(hf_checkpoints, monkeypatch):
+    """The static pass with the query outside the chain (QUERY_TAIL, the default) and with it chained in pieces of
+    SUB_RUN: both the planned walk's tokens and logits; the 41-token query's request took a tail shape."""
+    from hypic.runtime import compose_graph as cg
+
+    path = hf_checkpoints["qwen3_5"][1]
+    segs = [rand_ids(n, 700 + i) for i, n in enumerate((30, 23, 44))]
+    long_q = Prompt(prefix=rand_ids(12, 710), segments=segs, query=rand_ids(41, 711))   # twice: the prefix cached
+    prompts = _prompts(9) + [long_q, Prompt(prefix=long_q.prefix, segments=segs[::-1], query=rand_ids(37, 712))]
+    ref = _one_by_one(LLM(str(path), seam=4, compose="eager"), prompts, n=3)
+    for tail in (0, 64):
+        monkeypatch.setattr(cg, "QUERY_TAIL", tail)
+        llm = LLM(str(path), seam=4, compose="static")
+        got = _one_by_one(llm, prompts, n=3)
+        for a, b in zip(ref, got):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+        tails = {s.tail for s in llm.engine.composer.ready}
+        assert (tails == {0}) if tail == 0 else (64 in tails), tails

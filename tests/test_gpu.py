@@ -630,6 +630,37 @@ def test_cuda_graph_compose_with_low_rank_pairs():
 
 
 @cuda
+def test_cuda_graph_compose_with_query_tail():
+    """QUERY_TAIL (runtime/compose_graph.py): a 41- or 37-token query left out of the chain, summarized as one chunk by
+    its own call, its outputs and the final state made from the chain's last state by fp32 products, the pads' rows
+    zeroed, all inside the captured graph; against the query chained in pieces of 16 (QUERY_TAIL 0). fp32: the two
+    differ by the order of fp32-level products only (~1e-6 relative on the states), so 1e-4 on the logits as in the
+    pairs' test; the decode steps after them run from the tail's final state."""
+    from hypic import LLM, Prompt, SamplingParams
+    from hypic.runtime import compose_graph as cg
+
+    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
+    ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 100 + q)))
+          for o, q in (((0, 1, 2), 41), ((2, 0, 1), 41), ((1, 2, 0), 41), ((2, 1, 0), 37))]
+    sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
+    got = {}
+    saved = cg.QUERY_TAIL
+    for tail in (0, 64):
+        cg.QUERY_TAIL = tail
+        try:
+            llm = LLM("tiny-qwen3.5", device="cuda", dtype="float32", seed=0)
+            got[tail] = [llm.generate([p], sp)[0] for p in ps]
+            comp = llm.engine.composer
+            assert comp.captures >= 1 and comp.replays >= 1
+            assert {s.tail for s in comp.ready} == ({64} if tail else {0})
+        finally:
+            cg.QUERY_TAIL = saved
+    for a, b in zip(got[0][1:], got[64][1:]):
+        assert a.token_ids == b.token_ids
+        assert rel(b.logits, a.logits) < 1e-4
+
+
+@cuda
 def test_cuda_graph_compose_fills_beside_the_pass():
     """SIDE_FILL (runtime/compose_graph.py) with ORDER_AHEAD (layers/attention.py): on replays in pieces, every fill
     after the first runs on a side stream beside the pieces before it (the cached keys' copies, their placing and
@@ -1064,10 +1095,13 @@ cg.COPY_BY_ADDRESS = True                      # the fill's packing through the 
 # the runs' transitions dense [S | T] (default), factored, or paired with the cached map after them (low rank); runs cut
 # into pieces of 16 tokens (default), 32 or 64 (the 41-token query in two pieces or one: the summary's chunk, the pairs'
 # factors and the scan's correction rows 64 wide)
-for factored, paired, skip, sub in ((False, False, False, 16), (True, False, False, 16), (False, True, False, 16),
-                                    (False, True, True, 16), (False, True, False, 32), (False, True, False, 64)):
+# (the 41-token query outside the chain as its tail, QUERY_TAIL, except where the pieces are 64 long or it is off: 0)
+for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, False, False, 16, 64),
+                                          (False, True, False, 16, 64), (False, True, True, 16, 64),
+                                          (False, True, False, 16, 0), (False, True, False, 32, 0),
+                                          (False, True, False, 64, 64)):
     lin.RUN_FACTORS, lin.LOWRANK_PAIRS, lin.SKIP_PAD_PAIRS = factored, paired, skip   # skip: the pads' maps unmade
-    cg.SUB_RUN = sub
+    cg.SUB_RUN, cg.QUERY_TAIL = sub, tail
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
     got = [llm.generate([p], sp)[0] for p in ps]
     bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
@@ -1084,11 +1118,12 @@ for factored, paired, skip, sub in ((False, False, False, 16), (True, False, Fal
         cu_m, cu_p = bufs0.cu_maps.tolist(), bufs0.cu_pairs.tolist()
         assert cu_m[1] - cu_p[1] == 3 and cu_m[2] - cu_p[2] == 3, (cu_m, cu_p)
         assert (lay0["pairs"][:, 0] != 0).sum() == 3
+    last = list(llm.engine.composer.ready)[-1]              # the 41-token query's shape
+    assert last.tail == (64 if tail and sub < 41 else 0), (last, sub, tail)
     if sub > 16:                # the longest run of the last request (41 tokens) in one or two pieces (the pads too)
-        lmax = [s.lmax for s in llm.engine.composer.ready][-1]
-        assert lmax == 32 if sub == 32 else lmax > 32, lmax
+        assert last.lmax == 32 if sub == 32 else last.lmax > 32, last
 lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
-cg.SUB_RUN = 16
+cg.SUB_RUN, cg.QUERY_TAIL = 16, 64
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary", "order"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):

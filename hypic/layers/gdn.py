@@ -63,6 +63,11 @@ class GatedDeltaNet(LinearMixer):
 
         return self.ops.name == "fast" and fla_available()
 
+    def query_tail(self, max_len: int) -> bool:
+        """Any backend gives a run's factors and values (the reference's solve; the chunked kernel's one chunk, for
+        runs of up to ops/triton_summary.CHUNK_MAX = 64 tokens: that module needs triton to import)."""
+        return max_len <= 64
+
     def factored_runs(self, max_len: int) -> bool:
         """The backend's chunked summary kernel gives the runs' transitions in factored form."""
         from ..ops.fast import triton_kernel

@@ -136,6 +136,12 @@ class LinearMixer(nn.Module):
         `run_factors`) by a kernel, for runs of up to max_len tokens (a family with such a summary says so)."""
         return False
 
+    def query_tail(self, max_len: int) -> bool:
+        """The compose pass may leave a request's query of up to max_len tokens out of the chain
+        (runtime/compose_graph.py QUERY_TAIL): kernel(..., init_augmented=True, factors=True, values=True) gives a run's
+        factors and WY values in any backend, from which `_tail` makes its outputs and the final state."""
+        return False
+
     def compose_buffers(self, shape, device, dtype, shared: dict) -> dict:
         """init [2, H, K, V]: the request's initial state, then the pad chain's zero. The cached (T, S):
         an address table where the Triton scan reads them in place (CUDA), else stacked copies."""
@@ -314,8 +320,12 @@ class LinearMixer(nn.Module):
         # every run from zero: outputs, readout, and the runs' maps, [S | T] or S with T's factors (RUN_FACTORS),
         # or U with T's factors (LOWRANK_PAIRS)
         factored, paired = "factor_width" in buf, "pair_maps" in buf
-        o0, u, *maps = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu, True, readout=True,
-                                   short=True, init_augmented=True, max_len=sh.lmax, factors=factored, values=paired)
+        # (a tail: the chained runs only, the first R - 1; the tail's own call in `_tail`)
+        o0, u, *maps = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu[: sh.runs] if sh.tail else c.cu, True,
+                                   readout=True, short=True, init_augmented=True, max_len=sh.lmax, factors=factored,
+                                   values=paired)
+        if o0.shape[0] < sh.tokens:       # (the reference gives the rows its runs cover, here the first ones; eager)
+            o0, u = (torch.cat([t, t.new_zeros((sh.tokens - t.shape[0],) + tuple(t.shape[1:]))]) for t in (o0, u))
         # the chain: entries' (T, S) from their slots, the runs' maps read where the kernel wrote them
         runs, factors = maps[0].float().contiguous(), (maps[1] if factored else None)
         final, cu_maps = None, c.cu_maps
@@ -334,7 +344,8 @@ class LinearMixer(nn.Module):
                 if kern is None:      # failed to build before: the unpaired chain by the dense maps below (eager)
                     runs = None
                 else:
-                    runs = kern(buf["pairs"], factors, runs, buf["pair_maps"], skip_marked=SKIP_PAD_PAIRS and fused)
+                    pairs = buf["pairs"][: sh.runs - 1] if sh.tail else buf["pairs"]     # (not the tail's row)
+                    runs = kern(pairs, factors, runs, buf["pair_maps"], skip_marked=SKIP_PAD_PAIRS and fused)
             except Exception as err:
                 kernel_failed("pairs", err)
                 runs = None
@@ -353,8 +364,7 @@ class LinearMixer(nn.Module):
                 kernel_failed("steps", err)
             else:
                 if fused:
-                    c.outputs[self.layer_idx] = (final[0], src[c.window])
-                    return o0
+                    return self._finish(o0, final[0], f, conv_out, c, src)
         if final is None:
             if "steps" in buf:
                 T, S = stack_dense([(p.T, p.S) for p in buf["parts"]])
@@ -365,8 +375,40 @@ class LinearMixer(nn.Module):
             else:
                 aug = runs if factors is None else factors_to_dense(runs, factors)
             before, final = scan_dense(buf["init"], T, S, c.cu_maps, order=c.order, runs=aug)
-        c.outputs[self.layer_idx] = (final[0], src[c.window])                 # final state, conv window
-        return _corrected(o0, u, before[e:], c.run_of, c.pos_in_run, sh.lmax)    # before[e:]: each run's start
+        # before[e:]: each run's start (with a tail, one more: zero, where its and the pads' rows gather)
+        s0 = torch.cat([before[e:], before.new_zeros((1,) + tuple(before.shape[1:]))]) if sh.tail else before[e:]
+        return self._finish(_corrected(o0, u, s0, c.run_of, c.pos_in_run, sh.lmax), final[0], f, conv_out, c, src)
+
+    def _finish(self, o, state, f, conv_out, c, src):
+        """The pass's outputs and what it leaves for the request's state (final state, conv window); with a tail (the
+        query outside the chain, `state` the chain's last: the tail's initial state), the tail's part made by `_tail`."""
+        if c.shape.tail:
+            o, state = self._tail(o, state, f, conv_out, c)
+        c.outputs[self.layer_idx] = (state, src[c.window])
+        return o
+
+    def _tail(self, o, s0, f, conv_out, c):
+        """The query as one run from the chain's last state s0 [H, K, V] (fp32): summarized from zero as one chunk
+        (o_t(0), the readout u_t, its factors Kd, W, gamma and WY values U: reference `run_factors` / `run_values`),
+        then
+
+            o_t = o_t(0) + s0^T u_t,    final = gamma s0 + Kd^T (U - W s0)   (= T s0 + S, T = gamma I - Kd^T W)
+
+        in fp32; the tail's rows of o replaced by those outputs and the pads' rows zeroed (`row_kind`). Returns
+        (outputs, the request's final state)."""
+        sh = c.shape
+        ot, ut, U, F = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu[sh.runs - 1 :], True, readout=True,
+                                   short=True, init_augmented=True, max_len=sh.tail, factors=True, values=True)
+        if ot.shape[0] < sh.tokens:       # (the reference gives the tail's rows alone: put where the tail is; eager)
+            at = c.row_kind == 1
+            ot, ut = (t.new_zeros((sh.tokens,) + tuple(t.shape[1:])).index_put_((at,), t) for t in (ot, ut))
+        w = U.shape[-2]
+        kd, wf, gamma = F[0, :, :w].float(), F[0, :, w : 2 * w].float(), F[0, :, 2 * w, :1, None].float()
+        s0 = s0.float()
+        final = torch.baddbmm(gamma * s0, kd.transpose(1, 2), U[0].float() - torch.bmm(wf, s0))
+        tail = torch.einsum("nhk,hkv->nhv", ut.float(), s0).add_(ot.float()).to(o.dtype)
+        kind = c.row_kind[:, None, None]
+        return torch.where(kind == 1, tail, o).masked_fill_(kind == 2, 0), final
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> LinearState:
         final, window = out

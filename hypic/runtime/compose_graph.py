@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..ops.reference.gated_delta import factor_width
 from .batch import Apply, ForwardBatch, Run, SeqWork
 from .graphs import capture_forward
 from .trace import span
@@ -70,16 +71,22 @@ COPY_BY_ADDRESS = False
 # (H100 run 103, paired by round: every fill on the pass's stream -0.02 ms against it; with the keys ordered ahead,
 # +0.43 ms in run 102, but ordering ahead itself cost more); gpu_bench's variant `fills_beside`
 SIDE_FILL = False
+# a request's query (its last run, SUB_RUN < n <= QUERY_TAIL tokens) as one run outside the chain, where every
+# stateful layer can take it (`query_tail`): summarized as one chunk by a call of its own, its outputs and the
+# request's final state made from the chain's last state (layers/linear.py); 0: cut into pieces of SUB_RUN and chained
+# like the others (gpu_bench's variant `query_chained`)
+QUERY_TAIL = 64
 
 
 @dataclass(frozen=True)
 class ComposeShape:
     tokens: int         # Np
-    runs: int           # R, the pad runs included
+    runs: int           # R, the pad runs included (with a tail: the chained runs, then the tail; no pad runs)
     entries: int        # E
     keys: int           # Kc bucket: cached keys per attention layer
     held: int           # P bucket: keys the request holds before the pass (a cached prefix)
-    lmax: int           # longest run, padded (the readout correction's row count)
+    lmax: int           # longest chained run, padded (the readout correction's row count)
+    tail: int = 0       # the query's tail outside the chain (`lower`'s tail_max): its chunk width, else 0
 
 
 def _round(n: int, step: int) -> int:
@@ -110,9 +117,13 @@ class Lowered:
     memo: dict = field(default_factory=dict)   # what the layers of one kind derive alike from the tables
 
 
-def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, held: int) -> Lowered | None:
+def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, held: int,
+          tail_max: int = 0) -> Lowered | None:
     """The request's tables, or None when the lowering does not cover it. held: keys the request's
-    attention layers hold already (with their positions in the state)."""
+    attention layers hold already (with their positions in the state). tail_max > 0: a last run (the query) of
+    SUB_RUN < n <= tail_max tokens becomes the tail: one run, last in storage, outside the chain (the chain ends
+    at its start; the linear layers make its outputs and the final state from there: layers/linear.py), and the
+    pad tokens are rows of no run (their outputs zero: `row_kind`)."""
     runs = [p for p in work.pieces if isinstance(p, Run)]
     applies = [p for p in work.pieces if isinstance(p, Apply)]
     if not applies or not runs or any(r.summarize or r.mark or r.n > MAX_RUN for r in runs):
@@ -122,13 +133,19 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
         return None
     np_ = _round(n + 1, 64)
     pad = np_ - n
-    pieces = _cut(work.pieces, SUB_RUN)
+    last = work.pieces[-1]
+    tail = last if isinstance(last, Run) and SUB_RUN < last.n <= tail_max else None
+    if tail is not None and not any(isinstance(p, Run) for p in work.pieces[:-1]):
+        tail = None                                  # (no chained run before it: cut as the others)
+    pieces = _cut(work.pieces[:-1] if tail else work.pieces, SUB_RUN)
     runs = [p for p in pieces if isinstance(p, Run)]
     step = min(SUB_RUN, PAD_RUN)
-    pads = [min(step, pad - a) for a in range(0, pad, step)]
-    e, r = len(applies), len(runs) + len(pads)
+    pads = [] if tail else [min(step, pad - a) for a in range(0, pad, step)]
+    e, r = len(applies), len(runs) + len(pads) + (1 if tail else 0)
     lens = [p.n for p in runs] + pads
     lmax = _round(max(lens), 8)
+    if tail:
+        lens.append(tail.n)
     kc = sum(p.entry.cached_tokens for p in applies)
     # the chain in sequence order (storage: entries 0..E-1, runs E..E+R-1), the pad runs last
     order, ei, ri = [], 0, 0
@@ -140,16 +157,26 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
             order.append(e + ri)
             ri += 1
     main = len(order)                                # the request's chain; the pad runs: a second one
-    order.extend(range(e + ri, e + r))
-    shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax)
+    order.extend(range(e + ri, e + r))               # (with a tail: no pad runs; the tail's slot last, unchained)
+    shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax,
+                         factor_width(tail.n) if tail else 0)
 
     # host tables in numpy (single-threaded: small torch CPU ops cost a thread-pool wake-up each), handed
     # over as tensors without a copy
     lens_a = np.asarray(lens, dtype=np.int64)
     cu = np.zeros(r + 1, dtype=np.int64)
     np.cumsum(lens_a, out=cu[1:])
-    run_of = np.repeat(np.arange(r, dtype=np.int64), lens_a)
-    pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
+    if tail:        # the tail's and the pads' rows: the tail's run index, row 0, for the correction's gather (a slot
+        run_of = np.full(np_, r - 1, dtype=np.int64)    # of no chained run: their rows are the tail's to write)
+        run_of[: cu[r - 1]] = np.repeat(np.arange(r - 1, dtype=np.int64), lens_a[:-1])
+        pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
+        pos_in_run[cu[r - 1] :] = 0
+        row_kind = np.full(np_, 2, dtype=np.int64)     # 0: a chained run's row, 1: the tail's, 2: a pad's
+        row_kind[: cu[r - 1]] = 0
+        row_kind[cu[r - 1] : n] = 1
+    else:
+        run_of = np.repeat(np.arange(r, dtype=np.int64), lens_a)
+        pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
     # conv: the stream of raw inputs as the recurrence sees them (entries by their tails)
     wm1 = max(conv_width - 1, 0)
     tail_rows, row = [], wm1
@@ -226,14 +253,17 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     t = torch.from_numpy
     pairs = pair_runs(np.asarray(order, dtype=np.int64), main, e)
     paired = int((~pairs[0]).sum())
+    chained = len(pads)                               # the second chain: the pad runs (none with a tail)
     tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), cu=t(cu),
-                  cu_maps=torch.tensor([0, main, main + r - ri], dtype=torch.int32),
-                  cu_pairs=torch.tensor([0, main - paired, main + r - ri - paired], dtype=torch.int32),
+                  cu_maps=torch.tensor([0, main, main + chained], dtype=torch.int32),
+                  cu_pairs=torch.tensor([0, main - paired, main + chained - paired], dtype=torch.int32),
                   order=torch.tensor(order, dtype=torch.int32),
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast),
                   aslot=t(aslot))
     if conv_width:
         tables.update(conv_idx=t(conv_idx), window=t(window))
+    if tail:
+        tables["row_kind"] = t(row_kind)
     return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask), pairs)
 
 
@@ -333,6 +363,7 @@ class ComposeBuffers:
         self.cu_maps, self.cu_pairs, self.order = z(3, dt=torch.int32), z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
         self.kpos, self.kperm, self.qlast, self.aslot = z(shape.keys), z(nkeys), z(np_), z(np_)
+        self.row_kind = z(np_) if shape.tail else None           # (a tail: each row's kind, `lower`)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
         self.conv_idx, self.window = None, None
         self.layers = {}
@@ -348,8 +379,9 @@ class ComposeBuffers:
         cuda = device.type == "cuda"
         self._groups, self._slots = [], {}       # (device, host, host as numpy) per dtype; table -> (group, a, b)
         for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
-                                        "kperm", "qlast", "aslot"] + (["conv_idx", "window"] if self.conv_idx
-                                                                      is not None else [])),
+                                        "kperm", "qlast", "aslot"]
+                          + (["conv_idx", "window"] if self.conv_idx is not None else [])
+                          + (["row_kind"] if shape.tail else [])),
                           (torch.int32, ["cu_maps", "cu_pairs", "order"])):
             sizes = [getattr(self, nm).numel() for nm in names]
             dev = torch.zeros(sum(sizes), dtype=dt, device=device)
@@ -457,6 +489,7 @@ class GraphCompose:
         # a mixer whose kernel reads lengths on the host (the reference ops) runs the buffers eagerly
         self.graphs = self.graphs and self.supported and all(m.capturable(self.device) for m in mixers)
         self.conv_width = max((getattr(m, "conv_width", 0) for m in mixers), default=0)
+        self.tail_ok = all(m.query_tail(QUERY_TAIL) for m in mixers if hasattr(m, "query_tail"))
         self.captures = 0
         self.replays = 0
         self.runs = 0                                # requests composed over the fixed buffers
@@ -564,7 +597,8 @@ class GraphCompose:
             return None
         held = held_keys(self.model, work.state)
         with span("compose.lower"):
-            low = None if held is None else lower(work, ids, positions, self.conv_width, held)
+            tail = QUERY_TAIL if self.tail_ok and QUERY_TAIL > SUB_RUN else 0
+            low = None if held is None else lower(work, ids, positions, self.conv_width, held, tail)
         if low is None:
             return None
         if self.graphs and low.shape not in self.ready:
