@@ -376,7 +376,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("fills_beside", flag(_cg, "SIDE_FILL", True), {}),
                 # the runs cut into pieces of 32 or 64 tokens instead of 16 (the 64-token query: 2 or 1 chain steps,
                 # not 4; every run's summary chunk, pair factors and scan correction rows 32 or 64 wide)
-                ("query_chained", flag(_cg, "QUERY_TAIL", 0), {}),   # the query in the chain (before the 31st)
+                ("query_tail", flag(_cg, "QUERY_TAIL", 64), {}),     # the query outside the chain (31st, not yet run)
                 ("sub_run_32", flag(_cg, "SUB_RUN", 32), {}),
                 ("sub_run_64", flag(_cg, "SUB_RUN", 64), {})]
     if _tr is not None:

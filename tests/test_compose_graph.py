@@ -461,8 +461,9 @@ def test_lowering_a_query_tail():
 
 
 def test_query_tail_on_and_off_equal_planned_walk(hf_checkpoints, monkeypatch):
-    """The static pass with the query outside the chain (QUERY_TAIL, the default) and with it chained in pieces of
-    SUB_RUN: both the planned walk's tokens and logits; the 41-token query's request took a tail shape."""
+    """The static pass with the query outside the chain (QUERY_TAIL 64) and with it chained in pieces of SUB_RUN (the
+    default, 0): both the planned walk's tokens and logits, also after a cached prefix (a nonzero initial state); the
+    41-token query's request took a tail shape."""
     from hypic.runtime import compose_graph as cg
 
     path = hf_checkpoints["qwen3_5"][1]

@@ -1123,7 +1123,7 @@ for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, 
     if sub > 16:                # the longest run of the last request (41 tokens) in one or two pieces (the pads too)
         assert last.lmax == 32 if sub == 32 else last.lmax > 32, last
 lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
-cg.SUB_RUN, cg.QUERY_TAIL = 16, 64
+cg.SUB_RUN, cg.QUERY_TAIL = 16, 0
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary", "order"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):
