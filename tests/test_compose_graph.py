@@ -384,9 +384,11 @@ def test_keys_ordered_ahead_equal_ordered_in_the_pass(hf_checkpoints, arch, monk
 
 
 def test_aslot_names_each_active_key_place_in_position_order():
-    """The lowering's aslot: the place of each active (and pad) token's key among the keys in position order, so the
-    pass's writes through it give what gathering by kperm gives."""
+    """ComposeBuffers.active_slots: the place of each active (and pad) token's key among the keys in position order
+    (the inverse of kperm on those rows, by a scatter on the device), so the pass's writes through it give what
+    gathering by kperm gives."""
     from hypic.runtime.batch import BatchBuilder
+    from hypic.runtime.compose_graph import ComposeBuffers
     from hypic.runtime.state import SeqState
 
     class E:
@@ -394,14 +396,18 @@ def test_aslot_names_each_active_key_place_in_position_order():
             self.cached_tokens, self.tail_len = n, 0
             self.layers = {}
 
+    class NoLayers:
+        mixers = {}
+
     b = BatchBuilder("cpu")
     w = b.add(SeqState(), [("run", [1, 2]), ("apply", E(10)), ("run", [3]), ("apply", E(2)), ("run", [4, 5, 6])])
     low = lower(w, b.ids, b.pos, conv_width=0, held=0)
-    t, sh = low.tables, low.shape
-    kperm, aslot = t["kperm"], t["aslot"]
-    assert aslot.shape == (sh.tokens,)
+    sh = low.shape
+    bufs = ComposeBuffers(NoLayers(), sh, "cpu", torch.float32)
+    bufs.load_tables(low)
+    aslot = bufs.active_slots()
     active = torch.arange(sh.held + sh.keys, sh.held + sh.keys + sh.tokens)
-    assert torch.equal(kperm[aslot], active)
+    assert aslot.shape == (sh.tokens,) and torch.equal(low.tables["kperm"][aslot], active)
     assert aslot[:6].tolist() == [0, 1, 12, 15, 16, 17]            # tokens at positions 0, 1, 12, 15, 16, 17
 
 

@@ -182,6 +182,7 @@ class AttentionMixer(nn.Module):
         ComposeBuffers (kperm, kpos; its scratch keeps the RoPE tables one request's layers share)."""
         if "ok" not in buf:
             return
+        tables.active_slots()
         self._in_position_order(buf, tables.kpos, tables.kperm, tables, (buf["ok"], buf["ov"]))
 
     def _in_position_order(self, buf, kpos, kperm, batch, out=None):

@@ -244,11 +244,6 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
         kperm = np.argsort(kmask, kind="stable")
         sorted_mask = kmask[kperm]
     qlast = np.searchsorted(sorted_mask, tok_pos, side="right") - 1        # pads (position 0): key 0
-    # each active (and pad) token's key's place in position order: the pass writes its key there (the cached keys
-    # are put in order ahead of it, layers/attention.py ORDER_AHEAD)
-    aslot = np.empty_like(kperm)
-    aslot[kperm] = np.arange(kperm.shape[0], dtype=np.int64)
-    aslot = aslot[p0 + shape.keys :]
     tok_ids = np.zeros(np_, dtype=np.int64)
     tok_ids[:n] = ids[work.start:work.end]
     t = torch.from_numpy
@@ -259,8 +254,7 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
                   cu_maps=torch.tensor([0, main, main + chained], dtype=torch.int32),
                   cu_pairs=torch.tensor([0, main - paired, main + chained - paired], dtype=torch.int32),
                   order=torch.tensor(order, dtype=torch.int32),
-                  run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast),
-                  aslot=t(aslot))
+                  run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
         tables.update(conv_idx=t(conv_idx), window=t(window))
     if tail:
@@ -363,7 +357,8 @@ class ComposeBuffers:
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
         self.cu_maps, self.cu_pairs, self.order = z(3, dt=torch.int32), z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
-        self.kpos, self.kperm, self.qlast, self.aslot = z(shape.keys), z(nkeys), z(np_), z(np_)
+        self.kpos, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(np_)
+        self.aslot = z(np_)             # (made on the device where a layer orders its keys ahead: `active_slots`)
         self.row_kind = z(np_) if shape.tail else None           # (a tail: each row's kind, `lower`)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
         self.conv_idx, self.window = None, None
@@ -380,7 +375,7 @@ class ComposeBuffers:
         cuda = device.type == "cuda"
         self._groups, self._slots = [], {}       # (device, host, host as numpy) per dtype; table -> (group, a, b)
         for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
-                                        "kperm", "qlast", "aslot"]
+                                        "kperm", "qlast"]
                           + (["conv_idx", "window"] if self.conv_idx is not None else [])
                           + (["row_kind"] if shape.tail else [])),
                           (torch.int32, ["cu_maps", "cu_pairs", "order"])):
@@ -412,6 +407,17 @@ class ComposeBuffers:
 
     def batch(self) -> ForwardBatch:
         return ForwardBatch(self.ids, self.positions, [], self.logits_index, captured=self)
+
+    def active_slots(self) -> torch.Tensor:
+        """aslot [Np]: the place in position order of each active (and pad) token's key, the inverse of kperm on
+        those rows, made once per request (after load_tables) by one scatter on the device (layers/attention.py
+        ORDER_AHEAD: the pass writes its keys there)."""
+        if not self.scratch.get("aslot"):
+            inv = torch.empty_like(self.kperm)
+            inv.scatter_(0, self.kperm, self.kidx)
+            self.aslot.copy_(inv[self.shape.held + self.shape.keys :])
+            self.scratch["aslot"] = True
+        return self.aslot
 
     def load(self, low: Lowered) -> None:
         """The request's tables and every layer's cached tensors into the buffers."""
