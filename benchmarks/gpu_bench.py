@@ -459,6 +459,41 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     (torch.cuda.empty_cache() if DEV == "cuda" else None)
 
 
+def _shuffled(order, seed):
+    order = order[:]
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def host_spans(run, n: int) -> dict:
+    """The engine's named host spans (hypic/runtime/trace.py TIMES: wall seconds, no profiler) over n warm requests
+    run(r), each span's median in ms; "before the GPU" sums what the host does before the first graph piece is
+    launched (the prompt's checks, the plan, the lowering, the tables, the first piece's fill), "first fill" is that
+    fill alone. Printed and returned."""
+    from hypic.runtime import trace
+
+    trace.TIMES = times = {}
+    try:
+        for r in range(n):
+            run(r)
+    finally:
+        trace.TIMES = None
+    out = {}
+    for name, ts in times.items():
+        per = len(ts) // n if n else 0
+        if per > 1:         # several calls per request (a fill per graph piece): the first of each and their sum
+            out[f"{name} (first)"] = statistics.median(ts[::per]) * 1e3
+            out[f"{name} (sum)"] = statistics.median(sum(ts[i * per:(i + 1) * per]) for i in range(n)) * 1e3
+        elif ts:
+            out[name] = statistics.median(ts) * 1e3
+    before = ["llm.make_requests", "engine.plan", "engine.cold", "compose.lower", "compose.load_tables",
+              "compose.fill (first)"]
+    out["before the GPU"] = sum(out.get(k, 0.0) for k in before)
+    print("host spans of warm requests, median ms (no profiler): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(out.items(), key=lambda kv: -kv[1])), flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="8192,32768")
@@ -618,6 +653,8 @@ def main():
     rag["pic_warm_engine_ttft_2tok_s"] = statistics.median(eng[1:])
     print(f"pic warm, 2-token requests: engine TTFT {rag['pic_warm_engine_ttft_2tok_s'] * 1e3:.1f} ms "
           f"{[round(t * 1e3, 1) for t in eng]}", flush=True)
+    rag["host_spans_ms"] = host_spans(lambda r: ttft(Prompt(segments=[segs[i] for i in _shuffled(order_a, 70 + r)],
+                                                            query=query)), args.reps + 2)
     # the same warm requests through the planned walk (no fixed buffers, no graph), side by side
     comp = llm.engine.composer
     if comp is not None:
