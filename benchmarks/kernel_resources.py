@@ -1,5 +1,6 @@
 """Registers, spills and shared memory of the chain scan's builds for the H200 (sm_90a), on a machine without a GPU;
-then those of the compose attention, its fold, the MoE combine, the low-rank pair kernel and the chunked summary.
+then those of the compose attention, its fold, the MoE combine, the low-rank pair kernel, the query tail's epilogue and the
+chunked summary.
 
 Triton compiles for a named target without a device, and the ptxas it ships reports each build's registers and
 spills: the H200's own numbers for the same source and specialisation (H200 run 54 reported 255 registers and 58
@@ -109,6 +110,11 @@ def other_builds():
             ts._pair_lowrank_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32"),
             dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec, PW=6, HALVES=hv is True,
                  BC=0 if isinstance(hv, bool) else hv), w)))
+    tail = dict(o="*bf16", s0="*fp32", ot="*bf16", ut="*bf16", U="*fp32", F="*fp32", cu2="*i64", final="*fp32",
+                N="i32", s_on="i32", s_oh="i32", s_tn="i32", s_th="i32", s_un="i32", s_uh="i32")
+    for bv, w in ((32, 8), (32, 4), (16, 4)):          # the query's tail (31st session): a 64-token tail, K = V = 128
+        rows.append(("tail_epilogue", f"value block {bv}, warps {w}", kernel_build(
+            ts._tail_kernel, tail, dict(K=128, V=128, WF=64, BV=bv, PREC="tf32x3"), w)))
     summ = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", cu="*i32", o="*bf16", final="*fp32",
                 fac="*fp32", uval="*fp32", s_q="i32", s_k="i32", s_v="i32", scale="fp32")
     for fac, val in ((False, False), (True, False), (True, True)):

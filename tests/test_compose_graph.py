@@ -433,8 +433,9 @@ def test_longer_run_pieces_equal_planned_walk(hf_checkpoints, sub, monkeypatch):
 
 def test_lowering_a_query_tail():
     """QUERY_TAIL: a last run longer than SUB_RUN (up to tail_max) stays one run, last in storage and outside both chains
-    (the chain ends where it starts); no pad runs (the pads' rows belong to no run: row_kind 2); the correction's
-    gather points the tail's and pads' rows at run 0's first row (their outputs are the tail's to write)."""
+    (the chain ends where it starts); no pad runs (the pads' rows, after the tail's, belong to no run); the correction's
+    gather points the tail's and pads' rows at the tail's run (a slot of no chained run: their outputs are the tail's
+    to write)."""
     from hypic.runtime.batch import BatchBuilder
     from hypic.runtime.compose_graph import pair_runs
     from hypic.runtime.state import SeqState
@@ -453,7 +454,6 @@ def test_lowering_a_query_tail():
     assert t["cu"].tolist() == [0, 2, 3, 44]                         # two chained runs, then the tail; no pad runs
     assert t["order"].tolist() == [2, 0, 3, 1, 4]                    # the tail's slot (4) last
     assert t["cu_maps"].tolist() == [0, 4, 4] and t["cu_pairs"].tolist() == [0, 2, 2]
-    assert t["row_kind"].tolist() == [0] * 3 + [1] * 41 + [2] * 20
     assert t["run_of"].tolist() == [0, 0, 1] + [2] * 61 and t["pos_in_run"].tolist() == [0, 1] + [0] * 62
     keep, after = low.pairs
     assert keep.tolist() == [True, False, True, False, True] and after.tolist() == [0, 1, -1]
@@ -463,7 +463,7 @@ def test_lowering_a_query_tail():
         b = BatchBuilder("cpu")
         w = b.add(SeqState(), [("run", [1, 2]), ("apply", E(10)), ("run", q)])
         low = lower(w, b.ids, b.pos, conv_width=0, held=0, tail_max=tail_max)
-        assert low.shape.tail == 0 and "row_kind" not in low.tables
+        assert low.shape.tail == 0 and low.tables["cu"][-1] == low.shape.tokens  # the pads in runs again
 
 
 def test_query_tail_on_and_off_equal_planned_walk(hf_checkpoints, monkeypatch):

@@ -1251,6 +1251,59 @@ print("ok")
     _run_in_interpreter(code)
 
 
+@needs_triton
+def test_triton_tail_epilogue_in_interpreter():
+    """The query's tail continued from the chain's state (ops/triton_scan.tail_epilogue, the compose pass's QUERY_TAIL)
+    in Triton's interpreter: a 41-token run summarized from zero by the reference (outputs, readout, factors and WY
+    values at width 64) inside rows of a larger pass (the tail at rows 9..49 of 64, the pads after it), then continued
+    from a random state s0. Against the token-by-token recurrence of the same tokens from s0 in fp64 (outputs and
+    final state, 1e-5: fp32 products), and equal to the reference op to fp32 rounding; the rows before the tail left
+    as they were, the pads' rows zero; the summaries' [N, HV, V + K] views (strided rows) as the pass gives them."""
+    code = """
+import math, torch
+from hypic.ops.triton_scan import tail_epilogue
+from hypic.ops.reference.gated_delta import gated_delta_tail, recurrent_gated_delta_rule, recurrent_gated_delta_summary
+g = torch.Generator().manual_seed(0)
+HV, K, V, N, t0, t1 = 2, 32, 32, 64, 9, 50
+k = torch.nn.functional.normalize(torch.randn(1, N, HV, K, generator=g), dim=-1)
+q = torch.randn(1, N, HV, K, generator=g)
+v = torch.randn(1, N, HV, V, generator=g)
+gl = torch.empty(1, N, HV).uniform_(math.log(0.7), 0, generator=g)
+beta = torch.rand(1, N, HV, generator=g)
+cu2 = torch.tensor([t0, t1])
+sl = slice(t0, t1)
+ot, ut, U, F = recurrent_gated_delta_summary(q[:, sl], k[:, sl], v[:, sl], gl[:, sl], beta[:, sl],
+                                             cu_seqlens=torch.tensor([0, t1 - t0]), max_len=64, factors=True,
+                                             values=True)
+buf = torch.full((2, N, HV, V + K), float("nan"))         # the summaries' outputs as the pass has them: [o | u] rows
+buf[0, sl, :, :V], buf[0, sl, :, V:] = ot, ut
+s0 = torch.randn(HV, K, V, generator=g)
+o0 = torch.randn(N, HV, V, generator=g)
+want_o, want_s = recurrent_gated_delta_rule(q[:, sl].double(), k[:, sl].double(), v[:, sl].double(), gl[:, sl].double(),
+                                            beta[:, sl].double(), initial_state=s0[None].double(),
+                                            output_final_state=True)
+for name in ("kernel", "reference"):
+    o = buf[1, :, :, :V]
+    o.copy_(o0)
+    if name == "kernel":
+        fin = tail_epilogue(o, s0, buf[0, :, :, :V], buf[0, :, :, V:], U, F, cu2, block_v=16, warps=4)
+    else:
+        fin = gated_delta_tail(o, s0, buf[0, :, :, :V], buf[0, :, :, V:], U, F, cu2)      # (NaN rows outside the tail)
+    err_o = float((o[sl].double() - want_o[0]).abs().max() / want_o.abs().max())
+    err_s = float((fin.double() - want_s[0]).abs().max() / want_s.abs().max())
+    assert err_o < 1e-5 and err_s < 1e-5, (name, err_o, err_s)
+    assert torch.equal(o[:t0], o0[:t0]) and (o[t1:] == 0).all(), name
+for bad in ((U[:, :1],), (U.transpose(-1, -2).contiguous(),)):
+    try:
+        tail_epilogue(buf[1, :, :, :V], s0, buf[0, :, :, :V], buf[0, :, :, V:], bad[0], F, cu2)
+        raise AssertionError("mismatched values must be refused")
+    except ValueError:
+        pass
+print("ok")
+"""
+    _run_in_interpreter(code)
+
+
 def _parallel_against_one_rank(parallel):
     """A cold PIC request in bf16 on CUDA with segment-parallel workers against the one-rank CUDA engine (the workers
     draw the preset's weights from its seed on their own GPU, so the CUDA engine's weights, not the CPU's). Bound:

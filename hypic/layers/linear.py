@@ -389,26 +389,18 @@ class LinearMixer(nn.Module):
 
     def _tail(self, o, s0, f, conv_out, c):
         """The query as one run from the chain's last state s0 [H, K, V] (fp32): summarized from zero as one chunk
-        (o_t(0), the readout u_t, its factors Kd, W, gamma and WY values U: reference `run_factors` / `run_values`),
-        then
-
-            o_t = o_t(0) + s0^T u_t,    final = gamma s0 + Kd^T (U - W s0)   (= T s0 + S, T = gamma I - Kd^T W)
-
-        in fp32; the tail's rows of o replaced by those outputs and the pads' rows zeroed (`row_kind`). Returns
-        (outputs, the request's final state)."""
+        (its outputs from zero, readout, factors and WY values), then continued from s0 by the op `gated_delta_tail`
+        (o_t = o_t(0) + s0^T u_t on the tail's rows of o, in place, the pads' rows zeroed; the state after it
+        gamma s0 + Kd^T (U - W s0)). Returns (outputs, the request's final state)."""
         sh = c.shape
-        ot, ut, U, F = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu[sh.runs - 1 :], True, readout=True,
-                                   short=True, init_augmented=True, max_len=sh.tail, factors=True, values=True)
+        cu2 = c.cu[sh.runs - 1 :]                       # the tail's rows: the last run's
+        ot, ut, U, F = self.kernel(f, conv_out, slice(0, sh.tokens), None, cu2, True, readout=True, short=True,
+                                   init_augmented=True, max_len=sh.tail, factors=True, values=True)
         if ot.shape[0] < sh.tokens:       # (the reference gives the tail's rows alone: put where the tail is; eager)
-            at = c.row_kind == 1
-            ot, ut = (t.new_zeros((sh.tokens,) + tuple(t.shape[1:])).index_put_((at,), t) for t in (ot, ut))
-        w = U.shape[-2]
-        kd, wf, gamma = F[0, :, :w].float(), F[0, :, w : 2 * w].float(), F[0, :, 2 * w, :1, None].float()
-        s0 = s0.float()
-        final = torch.baddbmm(gamma * s0, kd.transpose(1, 2), U[0].float() - torch.bmm(wf, s0))
-        tail = torch.einsum("nhk,hkv->nhv", ut.float(), s0).add_(ot.float()).to(o.dtype)
-        kind = c.row_kind[:, None, None]
-        return torch.where(kind == 1, tail, o).masked_fill_(kind == 2, 0), final
+            t0 = int(cu2[0])
+            ot, ut = (t.new_zeros((sh.tokens,) + tuple(t.shape[1:])).index_copy_(
+                0, torch.arange(t0, t0 + t.shape[0], device=t.device), t) for t in (ot, ut))
+        return o, self.ops.gated_delta_tail(o, s0, ot, ut, U, F, cu2)
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> LinearState:
         final, window = out

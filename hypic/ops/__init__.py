@@ -44,6 +44,7 @@ class Backend:
     gdn_gate: Callable
     chunk_diagonal_scan: Callable
     recurrent_diagonal_scan: Callable
+    gated_delta_tail: Callable
 
 
 _REGISTRY = {"reference": "hypic.ops.reference", "fast": "hypic.ops.fast"}
@@ -63,5 +64,6 @@ def get_backend(name: str) -> Backend:
             m.position_attention, m.decode_attention, m.order_keys, m.route, m.route_grouped_sigmoid, m.experts_forward,
             m.experts_forward_plain, m.recurrent_gated_delta_summary, m.chunk_gated_delta_transition, m.chunk_gated_delta_isolated,
             m.rms_norm, m.rms_norm_gated, m.gdn_gate, m.chunk_diagonal_scan, m.recurrent_diagonal_scan,
+            m.gated_delta_tail,
         )
     return _LOADED[name]

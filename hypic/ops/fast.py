@@ -150,7 +150,7 @@ _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": 
             "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert"),
             "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention"),
             "norm": ("triton_norm", "norm_rows"), "order": ("triton_place", "order_keys"),
-            "pairs": ("triton_scan", "pair_lowrank")}
+            "pairs": ("triton_scan", "pair_lowrank"), "tail": ("triton_scan", "tail_epilogue")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 
@@ -229,6 +229,19 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     return ref.recurrent_gated_delta_summary(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, max_len=max_len,
                                              factors=factors, values=values)
+
+
+def gated_delta_tail(o, s0, ot, ut, U, fac, cu2):
+    """The reference signature (ops/reference/gated_delta.py): where Triton runs, one launch (ops/triton_scan.py
+    `tail_epilogue`: the state after the tail through its factors, its outputs, the pads' rows zeroed); else the
+    reference's few batched products, a where and a fill."""
+    kern = triton_kernel("tail", s0, ot, ut, U, fac) if triton_here(s0) else None
+    if kern is not None:
+        try:
+            return kern(o, s0.contiguous(), ot, ut, U.contiguous(), fac.contiguous(), cu2)
+        except Exception as e:
+            kernel_failed("tail", e)
+    return ref.gated_delta_tail(o, s0, ot, ut, U, fac, cu2)
 
 
 def needs_grad(*ts) -> bool:

@@ -124,7 +124,7 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     attention layers hold already (with their positions in the state). tail_max > 0: a last run (the query) of
     SUB_RUN < n <= tail_max tokens becomes the tail: one run, last in storage, outside the chain (the chain ends
     at its start; the linear layers make its outputs and the final state from there: layers/linear.py), and the
-    pad tokens are rows of no run (their outputs zero: `row_kind`)."""
+    pad tokens are rows of no run (the rows after the tail's: their outputs zero)."""
     runs = [p for p in work.pieces if isinstance(p, Run)]
     applies = [p for p in work.pieces if isinstance(p, Apply)]
     if not applies or not runs or any(r.summarize or r.mark or r.n > MAX_RUN for r in runs):
@@ -172,9 +172,6 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
         run_of[: cu[r - 1]] = np.repeat(np.arange(r - 1, dtype=np.int64), lens_a[:-1])
         pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
         pos_in_run[cu[r - 1] :] = 0
-        row_kind = np.full(np_, 2, dtype=np.int64)     # 0: a chained run's row, 1: the tail's, 2: a pad's
-        row_kind[: cu[r - 1]] = 0
-        row_kind[cu[r - 1] : n] = 1
     else:
         run_of = np.repeat(np.arange(r, dtype=np.int64), lens_a)
         pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
@@ -257,8 +254,6 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
     if conv_width:
         tables.update(conv_idx=t(conv_idx), window=t(window))
-    if tail:
-        tables["row_kind"] = t(row_kind)
     return Lowered(shape, n, kc, held, work.state, tables, [p.entry for p in applies], tail_rows, t(kmask), pairs)
 
 
@@ -359,7 +354,6 @@ class ComposeBuffers:
         nkeys = shape.held + shape.keys + np_
         self.kpos, self.kperm, self.qlast = z(shape.keys), z(nkeys), z(np_)
         self.aslot = z(np_)             # (made on the device where a layer orders its keys ahead: `active_slots`)
-        self.row_kind = z(np_) if shape.tail else None           # (a tail: each row's kind, `lower`)
         self.kidx = torch.arange(nkeys, device=device)          # the sorted keys' positions: their indices
         self.conv_idx, self.window = None, None
         self.layers = {}
@@ -376,8 +370,7 @@ class ComposeBuffers:
         self._groups, self._slots = [], {}       # (device, host, host as numpy) per dtype; table -> (group, a, b)
         for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
                                         "kperm", "qlast"]
-                          + (["conv_idx", "window"] if self.conv_idx is not None else [])
-                          + (["row_kind"] if shape.tail else [])),
+                          + (["conv_idx", "window"] if self.conv_idx is not None else [])),
                           (torch.int32, ["cu_maps", "cu_pairs", "order"])):
             sizes = [getattr(self, nm).numel() for nm in names]
             dev = torch.zeros(sum(sizes), dtype=dt, device=device)

@@ -241,6 +241,26 @@ def values_to_state(U: torch.Tensor, fac: torch.Tensor) -> torch.Tensor:
     return fac[..., :w, :].transpose(-1, -2).float() @ U.float()
 
 
+def gated_delta_tail(o, s0, ot, ut, U, fac, cu2) -> torch.Tensor:
+    """The compose pass's query tail (runtime/compose_graph.py QUERY_TAIL): one run summarized from zero as one chunk,
+    continued from the state s0 [HV, K, V] the chain left before it. ot [N, HV, V], ut [N, HV, K]: its outputs from
+    zero and readout on the pass's rows (the tail's rows cu2[0]..cu2[1]-1, cu2 a 2-element tensor); U [1, HV, w, V],
+    fac [1, HV, 2 w + 1, K]: its WY values and factors (`run_values`, `run_factors`). Writes o [N, HV, V] in place:
+
+        o_t = ot_t + s0^T ut_t on the tail's rows,    0 on the rows after them (the pads')
+
+    and returns the state after the tail, gamma s0 + Kd^T (U - W s0) (= T s0 + S), [HV, K, V] fp32. Device tensors
+    only (no host read: CUDA-graph safe)."""
+    w = U.shape[-2]
+    kd, wf, gamma = fac[0, :, :w].float(), fac[0, :, w : 2 * w].float(), fac[0, :, 2 * w, :1, None].float()
+    s0 = s0.float()
+    final = torch.baddbmm(gamma * s0, kd.transpose(1, 2), U[0].float() - torch.bmm(wf, s0))
+    tail = torch.einsum("nhk,hkv->nhv", ut.float(), s0).add_(ot.float()).to(o.dtype)
+    rows = torch.arange(o.shape[0], device=o.device)[:, None, None]
+    o.copy_(torch.where((rows >= cu2[0]) & (rows < cu2[1]), tail, o).masked_fill_(rows >= cu2[1], 0))
+    return final
+
+
 def pair_maps(fac: torch.Tensor, U: torch.Tensor, T_e: torch.Tensor | None = None,
               S_e: torch.Tensor | None = None) -> torch.Tensor:
     """Each run's map composed with the cached map after it, from the run's factors and values: with
