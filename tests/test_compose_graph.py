@@ -466,13 +466,15 @@ def test_lowering_a_query_tail():
         assert low.shape.tail == 0 and low.tables["cu"][-1] == low.shape.tokens  # the pads in runs again
 
 
-def test_query_tail_on_and_off_equal_planned_walk(hf_checkpoints, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama", "kimi_linear"])
+def test_query_tail_on_and_off_equal_planned_walk(hf_checkpoints, arch, monkeypatch):
     """The static pass with the query outside the chain (QUERY_TAIL 64) and with it chained in pieces of SUB_RUN (the
     default, 0): both the planned walk's tokens and logits, also after a cached prefix (a nonzero initial state); the
-    41-token query's request took a tail shape."""
+    41-token query's request took a tail shape where every linear layer takes one (Gated DeltaNet; attention alone:
+    the runs only shape the tables; KDA: none, its query chained as before)."""
     from hypic.runtime import compose_graph as cg
 
-    path = hf_checkpoints["qwen3_5"][1]
+    path = hf_checkpoints[arch][1]
     segs = [rand_ids(n, 700 + i) for i, n in enumerate((30, 23, 44))]
     long_q = Prompt(prefix=rand_ids(12, 710), segments=segs, query=rand_ids(41, 711))   # twice: the prefix cached
     prompts = _prompts(9) + [long_q, Prompt(prefix=long_q.prefix, segments=segs[::-1], query=rand_ids(37, 712))]
@@ -485,4 +487,4 @@ def test_query_tail_on_and_off_equal_planned_walk(hf_checkpoints, monkeypatch):
             assert a.token_ids == b.token_ids
             torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
         tails = {s.tail for s in llm.engine.composer.ready}
-        assert (tails == {0}) if tail == 0 else (64 in tails), tails
+        assert (tails == {0}) if tail == 0 or arch == "kimi_linear" else (64 in tails), tails
