@@ -13,6 +13,7 @@ from torch import nn
 
 from ..compose.transition import Form, Transition
 from ..config import ModelConfig
+from ..ops.reference.gated_delta import CHUNK_MAX
 from .joined import JoinedWeights
 from .linear import LinearMixer, dense_summary_kernel
 from .norm import RMSNormGated
@@ -65,8 +66,8 @@ class GatedDeltaNet(LinearMixer):
 
     def query_tail(self, max_len: int) -> bool:
         """Any backend gives a run's factors and values (the reference's solve; the chunked kernel's one chunk, for
-        runs of up to ops/triton_summary.CHUNK_MAX = 64 tokens: that module needs triton to import)."""
-        return max_len <= 64
+        runs of up to CHUNK_MAX tokens)."""
+        return max_len <= CHUNK_MAX
 
     def factored_runs(self, max_len: int) -> bool:
         """The backend's chunked summary kernel gives the runs' transitions in factored form."""
@@ -74,8 +75,6 @@ class GatedDeltaNet(LinearMixer):
 
         if self.ops.name != "fast" or triton_kernel("chunk_summary") is None:
             return False
-        from ..ops.triton_summary import CHUNK_MAX
-
         return max_len <= CHUNK_MAX
 
     @property

@@ -199,10 +199,8 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     kernel, else the reference."""
     kernels = not needs_grad(q, k, v, g, beta)
     if kernels and triton_here(q):
-        from .triton_summary import CHUNK_MAX
-
         tries = [] if factors else [("summary", {})]
-        if max_len is not None and max_len <= CHUNK_MAX:
+        if max_len is not None and max_len <= ref.gated_delta.CHUNK_MAX:
             tries.insert(0, ("chunk_summary", {"max_len": max_len, "factors": factors, "values": values}))
         for name, kw in tries:
             kern = triton_kernel(name)                # (autograd ruled out above: `kernels`)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference.gated_delta import factor_width
+from .reference.gated_delta import CHUNK_MAX, factor_width
 
 
 @triton.jit
@@ -199,9 +199,6 @@ def _chunk_summary_kernel(q, k, v, g, beta, cu, o, final, fac, uval, s_q, s_k, s
     for i in tl.static_range(NB):
         _summary_columns(cb0 + i, r, hv, hk, q, k, v, o, final, fac, uval, tok, rl, rk, mt, mk, nq, nk, G, GL, bt,
                          Ti, P, kdec, s_q, s_k, s_v, HV, K, V, BV, BL, PREC, FACTORS, VALUES)
-
-
-CHUNK_MAX = 64      # longest run the chunked kernel takes (one chunk per run)
 
 
 def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use_qk_l2norm_in_kernel=False,

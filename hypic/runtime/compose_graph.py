@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..ops.reference.gated_delta import factor_width
+from ..ops.reference.gated_delta import CHUNK_MAX, factor_width
 from .batch import Apply, ForwardBatch, Run, SeqWork
 from .graphs import capture_forward
 from .trace import span
@@ -71,7 +71,7 @@ COPY_BY_ADDRESS = False
 # (H100 run 103, paired by round: every fill on the pass's stream -0.02 ms against it; with the keys ordered ahead,
 # +0.43 ms in run 102, but ordering ahead itself cost more); gpu_bench's variant `fills_beside`
 SIDE_FILL = False
-# a request's query (its last run, SUB_RUN < n <= QUERY_TAIL <= 64 tokens) as one run outside the chain, where every
+# a request's query (its last run, SUB_RUN < n <= QUERY_TAIL <= CHUNK_MAX tokens) as one run outside the chain, where every
 # stateful layer can take it (`query_tail`): summarized as one chunk by a call of its own, its outputs and the
 # request's final state made from the chain's last state (layers/linear.py); 0: cut into pieces of SUB_RUN and chained
 # like the others. Off until a GPU has run it (CPU and Triton's interpreter only so far; gpu_bench's variant
@@ -489,7 +489,7 @@ class GraphCompose:
         # a mixer whose kernel reads lengths on the host (the reference ops) runs the buffers eagerly
         self.graphs = self.graphs and self.supported and all(m.capturable(self.device) for m in mixers)
         self.conv_width = max((getattr(m, "conv_width", 0) for m in mixers), default=0)
-        self.tail_ok = all(m.query_tail(64) for m in mixers if hasattr(m, "query_tail"))   # (QUERY_TAIL's bound)
+        self.tail_ok = all(m.query_tail(CHUNK_MAX) for m in mixers if hasattr(m, "query_tail"))
         self.captures = 0
         self.replays = 0
         self.runs = 0                                # requests composed over the fixed buffers

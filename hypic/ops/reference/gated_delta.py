@@ -161,6 +161,9 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
     return o[0, ..., :dv], o[0, ..., dv:], final
 
 
+CHUNK_MAX = 64      # longest run a short-run summary takes as one chunk (ops/triton_summary.py's kernel; the query tail)
+
+
 def factor_width(max_len: int) -> int:
     """Rows of each factor of a short run's transition (`run_factors`): the run length bound rounded up to a power
     of two, at least 16 (the least size of a tensor-core product)."""
