@@ -208,8 +208,7 @@ def quick(llm, args, ids, ttft, res):
         GatedDeltaNet.readout = flag
         ts = []
         for r in range(6):
-            order = list(range(args.segments))
-            random.Random(r + 1).shuffle(order)
+            order = _shuffled(list(range(args.segments)), r + 1)
             ts.append(ttft(Prompt(segments=[segs[i] for i in order], query=query))[0])
         out[name] = statistics.median(ts[1:])
         print(f"warm pic, {name}: {out[name] * 1e3:.1f} ms  {[round(t * 1e3, 1) for t in ts]}", flush=True)
@@ -432,8 +431,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         composers[name] = c
     var_ts = {name: [] for name, *_ in variants}
     for r in range(2 * args.reps + 1):
-        order = order_a[:]
-        random.Random(r + 1).shuffle(order)
+        order = _shuffled(order_a, r + 1)
         p_r = Prompt(segments=[segs[i] for i in order], query=query)
         k = r % len(variants)
         for name, switch, kw in variants[k:] + variants[:k]:
@@ -460,6 +458,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
 
 
 def _shuffled(order, seed):
+    """A copy of the segment order shuffled by random.Random(seed) (the same orders for the same seeds in every run)."""
     order = order[:]
     random.Random(seed).shuffle(order)
     return order
@@ -634,8 +633,7 @@ def main():
     print(f"pic cold (isolated prefill of {args.segments} segments + compose): {t_cold * 1e3:.0f} ms", flush=True)
     warm_ts, counts = [], None
     for r in range(args.reps + 2):
-        order = order_a[:]
-        random.Random(r + 1).shuffle(order)
+        order = _shuffled(order_a, r + 1)
         dt, o = ttft(Prompt(segments=[segs[i] for i in order], query=query))
         warm_ts.append(dt)
         counts = dict(composed=o.composed_tokens, recomputed=o.recomputed_tokens, cold=o.cold_prefill_tokens)
@@ -645,8 +643,7 @@ def main():
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     eng = []
     for r in range(args.reps + 1):
-        order = order_a[:]
-        random.Random(50 + r).shuffle(order)
+        order = _shuffled(order_a, 50 + r)
         sync()
         eng.append(llm.generate([Prompt(segments=[segs[i] for i in order], query=query)], two)[0].ttft_s)
         sync()
@@ -672,8 +669,7 @@ def main():
             lu = llm.next_token_logits(p_cmp).float().cpu()
         eager_ts = []
         for r in range(args.reps + 2):
-            order = order_a[:]
-            random.Random(r + 1).shuffle(order)
+            order = _shuffled(order_a, r + 1)
             eager_ts.append(ttft(Prompt(segments=[segs[i] for i in order], query=query))[0])
         llm.engine.composer = comp
         rag["pic_warm_planned_s"] = statistics.median(eager_ts[1:])
@@ -809,8 +805,7 @@ def main():
     llm.set_policy("pic", 8)
     dprompts = []
     for r in range(8):
-        order = order_a[:]
-        random.Random(200 + r).shuffle(order)
+        order = _shuffled(order_a, 200 + r)
         dprompts.append(Prompt(segments=[segs[i] for i in order], query=query))
     try:
         res["decode"] = decode_bench(llm, dprompts, args.decode_steps, prof=args.profile)

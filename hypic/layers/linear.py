@@ -325,7 +325,7 @@ class LinearMixer(nn.Module):
                                    readout=True, short=True, init_augmented=True, max_len=sh.lmax, factors=factored,
                                    values=paired)
         if o0.shape[0] < sh.tokens:       # (the reference gives the rows its runs cover, here the first ones; eager)
-            o0, u = (torch.cat([t, t.new_zeros((sh.tokens - t.shape[0],) + tuple(t.shape[1:]))]) for t in (o0, u))
+            o0, u = (_rows_at(t, 0, sh.tokens) for t in (o0, u))
         # the chain: entries' (T, S) from their slots, the runs' maps read where the kernel wrote them
         runs, factors = maps[0].float().contiguous(), (maps[1] if factored else None)
         final, cu_maps = None, c.cu_maps
@@ -398,8 +398,7 @@ class LinearMixer(nn.Module):
                                    init_augmented=True, max_len=sh.tail, factors=True, values=True)
         if ot.shape[0] < sh.tokens:       # (the reference gives the tail's rows alone: put where the tail is; eager)
             t0 = int(cu2[0])
-            ot, ut = (t.new_zeros((sh.tokens,) + tuple(t.shape[1:])).index_copy_(
-                0, torch.arange(t0, t0 + t.shape[0], device=t.device), t) for t in (ot, ut))
+            ot, ut = (_rows_at(t, t0, sh.tokens) for t in (ot, ut))
         return o, self.ops.gated_delta_tail(o, s0, ot, ut, U, F, cu2)
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> LinearState:
@@ -763,6 +762,14 @@ class LinearMixer(nn.Module):
             if run.mark:                 # cached in a prefix node: own the memory, not a view of the batch
                 run.captures[L] = LinearState(final[i].clone(), st.conv)
         return out
+
+
+def _rows_at(t, start: int, total: int):
+    """Rows a kernel gave packed (the reference's varlen outputs: the rows its runs cover, from `start` on) at their
+    places among `total` rows, the others zero (eager: the compose pass's reference path)."""
+    out = t.new_zeros((total,) + tuple(t.shape[1:]))
+    out[start : start + t.shape[0]] = t
+    return out
 
 
 def _corrected(o0, u, s0, run_of, pos, lmax: int):
