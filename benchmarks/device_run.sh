@@ -6,6 +6,7 @@
 #   bash benchmarks/device_run.sh transition     one GDN layer's (T, S) share, no model (benchmarks/transition_bench.py)
 #   bash benchmarks/device_run.sh probe          the transition kernel's configurations, one process each (transition_probe.py)
 #   bash benchmarks/device_run.sh scan [ARGS]    the compose pass's chain scan alone, each form and configuration (scan_bench.py)
+#   bash benchmarks/device_run.sh moe [ARGS]     the routed experts' kernels alone, each form and configuration (moe_bench.py)
 #   bash benchmarks/device_run.sh attention      the compose pass's attention alone, launch configurations (attention_bench.py)
 #   bash benchmarks/device_run.sh parallel [ARGS] a cold request on one GPU vs several (parallel_bench.py; kind nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back) and benchmarks/results/.
@@ -37,6 +38,7 @@ case $what in
   transition) python3 benchmarks/transition_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/transition_bench.log" ;;
   probe) python3 benchmarks/transition_probe.py --out "$OUT" "$@" 2>&1 | tee "$OUT/transition_probe.log" ;;
   scan) python3 benchmarks/scan_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/scan_bench.log" ;;
+  moe) python3 benchmarks/moe_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/moe_bench.log" ;;
   attention) python3 benchmarks/attention_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/attention_bench.log" ;;
   parallel) python3 benchmarks/parallel_bench.py --out "$OUT/parallel_bench.json" "$@" 2>&1 | tee "$OUT/parallel_bench.log" ;;
   tests) echo "== pytest $*" >> "$OUT/test_gpu.log"        # appended: several test calls in one device call

@@ -386,6 +386,10 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         _tm = None
     if _tm is not None:             # the MoE's k rows and shared expert combined by PyTorch ops (before the 29th session)
         variants += [("moe_combine_by_torch", flag(_tm, "COMBINE_KERNEL", False), {})]
+        # the experts' weights read by tensor descriptors (TMA) or by pointers (32nd session; the tuner keeps each
+        # form's picks apart)
+        variants += [("moe_tma" if not _tm.TMA_WEIGHTS else "moe_by_pointers",
+                      flag(_tm, "TMA_WEIGHTS", not _tm.TMA_WEIGHTS), {})]
     if _ts is not None:             # each chain step's map loaded during the step before it (twenty-third session)
         variants += [("scan_prefetch", flag(_ts, "PREFETCH", True), {})]
     try:

@@ -414,8 +414,11 @@ def test_triton_summary_matches_reference():
 @cuda
 def test_triton_moe_matches_reference():
     """The few-rows MoE kernel (ops/triton_moe.py) in bf16, through the backend's dispatch, against the fp32
-    per-expert reference; an expert with more rows than a block (several passes) included. Bound:
+    per-expert reference, its weights read by pointers and by tensor descriptors; an expert with more rows than a
+    block (several passes) included. Bound:
     gpu_check.py's (bf16 operands and bf16 rows between the products)."""
+    from hypic.ops import triton_moe
+
     g = torch.Generator(device="cuda").manual_seed(1)
     ne, hd, inter, k = 16, 256, 128, 4
     gu = (torch.randn(ne, 2 * inter, hd, device="cuda", generator=g) * 0.05).bfloat16()
@@ -427,13 +430,19 @@ def test_triton_moe_matches_reference():
             ex[:40, 0] = 3                                  # 40+ rows on one expert: several blocks
         y0 = ref.experts_forward(x.float(), w.float(), ex, gu.float(), dn.float())
         assert n * k <= fast.FEW_ROWS_PER_EXPERT * ne
-        y1 = fast.experts_forward(x, w, ex, gu, dn)
-        assert "moe" not in fast.FAILED and rel(y1, y0) < 1e-2, n
-        # fp32 (the quality study's evaluation): the same kernel with fp32 products (no grouped GEMM in fp32, and
-        # the reference loop reads the experts in use on the host, which a decode step's capture refuses). Only the
-        # summation order differs from the reference: 1e-5
-        y2 = fast.experts_forward(x.float(), w.float(), ex, gu.float(), dn.float())
-        assert "moe" not in fast.FAILED and rel(y2, y0) < 1e-5, n
+        old = triton_moe.TMA_WEIGHTS
+        try:
+            for tma in (False, True):            # the weights read by pointers and by tensor descriptors
+                triton_moe.TMA_WEIGHTS = tma
+                y1 = fast.experts_forward(x, w, ex, gu, dn)
+                assert "moe" not in fast.FAILED and rel(y1, y0) < 1e-2, (n, tma)
+                # fp32 (the quality study's evaluation): the same kernel with fp32 products (no grouped GEMM in fp32,
+                # and the reference loop reads the experts in use on the host, which a decode step's capture
+                # refuses). Only the summation order differs from the reference: 1e-5
+                y2 = fast.experts_forward(x.float(), w.float(), ex, gu.float(), dn.float())
+                assert "moe" not in fast.FAILED and rel(y2, y0) < 1e-5, (n, tma)
+        finally:
+            triton_moe.TMA_WEIGHTS = old
 
 
 @cuda
@@ -956,8 +965,10 @@ for n, k, ne, hd, inter in ((7, 3, 5, 64, 48), (40, 2, 4, 32, 16), (1, 2, 6, 48,
     offs = torch.bincount(flat, minlength=ne).cumsum(0).to(torch.int32)
     for cfgs in ((triton_moe._CONFIGS["gate_up"][0], triton_moe._CONFIGS["down"][0]),
                  (triton_moe._CONFIGS["gate_up"][1], triton_moe._CONFIGS["down"][1])):
-        y1 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, flat.argsort(stable=True), offs, configs=cfgs)
-        assert rel(y1, y0) < 1e-6, (n, k, ne)
+        for desc in (False, True):            # the weights by pointers, and by tensor descriptors (TMA_WEIGHTS)
+            y1 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, flat.argsort(stable=True), offs, configs=cfgs,
+                                             desc=desc)
+            assert rel(y1, y0) < 1e-6, (n, k, ne, desc)
     sg, so = torch.randn(n, 5)[:, 3:4], torch.randn(n, hd)     # a shared expert's gate (a column of the joined
                                                                  # GEMM's output, as the model passes it) and output
     y2 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, flat.argsort(stable=True), offs, shared=(sg, so))

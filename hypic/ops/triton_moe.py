@@ -30,6 +30,11 @@ import triton.language as tl
 from .reference.moe import with_shared
 from .tuning import tuned_config
 
+# the experts' weight tiles read by tensor descriptors (TMA on sm_90+: one bulk copy per tile instead of the
+# threads' own address arithmetic and 16-byte loads) where the weights allow it (rows of a multiple of 16 bytes);
+# False: by pointers, as before the thirty-second session (benchmarks/moe_bench.py times both)
+TMA_WEIGHTS = False
+
 # the combine by one kernel (twenty-ninth session); False: a sum over the k rows, a cast, and the shared expert's
 # sigmoid, product and sum by PyTorch ops (gpu_bench's variant moe_combine_by_torch)
 COMBINE_KERNEL = True
@@ -57,11 +62,15 @@ def _expert_tile(offs, BN: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr, I: tl.constexpr,
                     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, DESC: tl.constexpr = False):
     e, r0, r1, rn, mn = _expert_tile(offs, BN, I)
     rk = tl.arange(0, BK)
-    wg = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :]       # gate rows
-    wu = wg + I * s_wn                                                                 # up rows
+    # DESC: w is a tensor descriptor of the weights as [E * 2I, H] (TMA loads of [BN, BK] tiles; rows past the
+    # expert's gate or up rows are read but never stored: `mn`), else a pointer
+    g_row = e * (2 * I) + tl.program_id(1) * BN
+    if not DESC:
+        wg = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :]   # gate rows
+        wu = wg + I * s_wn                                                             # up rows
     m0 = r0
     while m0 < r1:
         rows, mr, a, tok = _rows(order, m0, r1, BM, TOPK)
@@ -71,8 +80,12 @@ def _gate_up_kernel(x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr,
         for k0 in tl.range(0, H, BK, num_stages=STAGES):
             mk = (k0 + rk) < H
             xt = tl.load(xp + k0, mask=mk[:, None] & mr[None, :], other=0.0)
-            g = tl.load(wg + k0, mask=mn[:, None] & mk[None, :], other=0.0)
-            u = tl.load(wu + k0, mask=mn[:, None] & mk[None, :], other=0.0)
+            if DESC:
+                g = w.load([g_row, k0])
+                u = w.load([g_row + I, k0])
+            else:
+                g = tl.load(wg + k0, mask=mn[:, None] & mk[None, :], other=0.0)
+                u = tl.load(wu + k0, mask=mn[:, None] & mk[None, :], other=0.0)
             acc_g = tl.dot(g, xt, acc_g, input_precision=PREC)
             acc_u = tl.dot(u, xt, acc_u, input_precision=PREC)
         y = acc_g * tl.sigmoid(acc_g) * acc_u                                          # silu(g) * u, fp32
@@ -84,10 +97,12 @@ def _gate_up_kernel(x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr,
 @triton.jit
 def _down_kernel(h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H: tl.constexpr, I: tl.constexpr,
                  TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, DESC: tl.constexpr = False):
     e, r0, r1, rn, mn = _expert_tile(offs, BN, H)
     rk = tl.arange(0, BK)
-    wp = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :]       # down rows [BN, BK]
+    d_row = e * H + tl.program_id(1) * BN                                               # (DESC: w as [E * H, I])
+    if not DESC:
+        wp = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :]   # down rows [BN, BK]
     m0 = r0
     while m0 < r1:
         rows, mr, a, tok = _rows(order, m0, r1, BM, TOPK)
@@ -96,7 +111,10 @@ def _down_kernel(h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H: tl.constex
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
             mk = (k0 + rk) < I
             ht = tl.load(hp + k0, mask=mk[:, None] & mr[None, :], other=0.0)
-            d = tl.load(wp + k0, mask=mn[:, None] & mk[None, :], other=0.0)
+            if DESC:
+                d = w.load([d_row, k0])
+            else:
+                d = tl.load(wp + k0, mask=mn[:, None] & mk[None, :], other=0.0)
             acc = tl.dot(d, ht, acc, input_precision=PREC)
         wt = tl.load(wts + a, mask=mr, other=0.0).to(tl.float32)                         # routing weight
         acc = acc * wt[None, :]
@@ -144,11 +162,15 @@ def combine(ys: torch.Tensor, k: int, shared=None) -> torch.Tensor:
 
 
 # (BM, BN, BK, warps, stages) per kernel, tried on a shape's first eager call; the first is the default
+# (the last three of each: less shared memory a program, so that two or three programs share an SM and one's first
+# loads overlap another's stream; thirty-second session)
 _CONFIGS = {
     "gate_up": ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 64, 256, 8, 3), (32, 64, 128, 4, 3),
-                (16, 128, 128, 8, 3), (16, 32, 256, 4, 3)),
+                (16, 128, 128, 8, 3), (16, 32, 256, 4, 3), (16, 64, 128, 4, 3), (16, 64, 64, 4, 4),
+                (16, 64, 64, 4, 6)),
     "down": ((16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (32, 64, 128, 4, 3),
-             (16, 128, 64, 4, 4), (16, 32, 128, 4, 4)),
+             (16, 128, 64, 4, 4), (16, 32, 128, 4, 4), (16, 64, 128, 4, 2), (16, 128, 128, 4, 2),
+             (16, 64, 64, 4, 4)),
 }
 TUNED: dict = {}                 # (kernel, shape key) -> (config, {config: ms}) (benchmarks print them)
 
@@ -159,12 +181,70 @@ def _tuned(key, device, launch, out, kind: str):
     return tuned_config(TUNED, key, _CONFIGS[kind], device, launch, out, _CONFIGS[kind][0], 1e-2)
 
 
+def _descriptors_apply(x, gate_up, down) -> bool:
+    """The weights can be read by tensor descriptors here: on a GPU of compute capability 9 or more (or Triton's
+    interpreter, where x lies on the CPU), with 16-byte aligned rows and bases."""
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all((w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0 for w in (gate_up, down))
+
+
+def _desc(w2d: torch.Tensor, bn: int, bk: int):
+    """A tensor descriptor of the 2-D weight view, read in [bn, bk] tiles (past its edges: zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w2d, [bn, bk])
+
+
 def _bucket(rows: int) -> int:
     return 1 << max(0, (rows - 1).bit_length())
 
 
+class _Launch:
+    """The two expert kernels' launches over one layer's weights and one batch of sorted rows (`experts_few_rows`;
+    benchmarks/moe_bench.py times each kernel and configuration by them): up(cfg) writes hbuf [n*k, I] (silu(g) * u,
+    sorted rows), down(cfg) writes ys [n*k, H] (each row times its routing weight, at its (token, choice) place)."""
+
+    def __init__(self, x, weights, experts, gate_up, down, order, offs, desc: bool | None = None):
+        n, k = experts.shape
+        e, i2, hd = gate_up.shape
+        i = i2 // 2
+        if down.shape != (e, hd, i) or x.shape[-1] != hd:
+            raise ValueError(f"expert shapes disagree: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, "
+                             f"down {tuple(down.shape)}")
+        self.x = x.contiguous()
+        self.w_up, self.w_down = gate_up.contiguous(), down.contiguous()
+        self.order = order.contiguous()
+        self.offs = offs.to(torch.int32).contiguous()
+        self.wts = weights.reshape(-1).contiguous()
+        self.hbuf = x.new_empty((n * k, i))
+        self.ys = x.new_empty((n * k, hd))
+        self.prec = "ieee" if x.dtype == torch.float32 else None       # fp32 operands (CPU interpreter tests): exact
+        self.desc = (TMA_WEIGHTS if desc is None else desc) and _descriptors_apply(x, gate_up, down)
+        self.n, self.k, self.e, self.i, self.hd = n, k, e, i, hd
+        self.key = (e, hd, i, k, _bucket(max(1, n * k // max(e, 1))), x.dtype, self.desc)
+
+    def up(self, cfg):
+        bm, bn, bk, w, st = cfg
+        gu, e, i, hd = self.w_up, self.e, self.i, self.hd
+        wt = _desc(gu.view(e * 2 * i, hd), bn, bk) if self.desc else gu
+        _gate_up_kernel[(e, triton.cdiv(i, bn))](
+            self.x, self.order, self.offs, wt, self.hbuf, self.x.stride(0), gu.stride(0), gu.stride(1),
+            self.hbuf.stride(0), H=hd, I=i, TOPK=self.k, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=self.prec,
+            DESC=self.desc, num_warps=w)
+
+    def down(self, cfg):
+        bm, bn, bk, w, st = cfg
+        dn, e, i, hd = self.w_down, self.e, self.i, self.hd
+        wt = _desc(dn.view(e * hd, i), bn, bk) if self.desc else dn
+        _down_kernel[(e, triton.cdiv(hd, bn))](
+            self.hbuf, self.order, self.offs, self.wts, wt, self.ys, self.hbuf.stride(0), dn.stride(0), dn.stride(1),
+            self.ys.stride(0), H=hd, I=i, TOPK=self.k, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=self.prec,
+            DESC=self.desc, num_warps=w)
+
+
 def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: bool = True, configs=None,
-                     shared=None):
+                     shared=None, desc: bool | None = None):
     """The routed experts' sum for token rows already sorted by expert (fast.experts_forward's layout).
 
     x [n, H]; weights [n, k] (routing weights); experts [n, k]; gate_up [E, 2I, H] (gate rows first);
@@ -172,47 +252,22 @@ def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: b
     int32: expert e's rows end at offs[e] (inclusive cumulative counts). -> y [n, H] in x's dtype,
     y_t = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = experts[t, j].
     configs: (gate_up config, down config) to use instead of the tuned ones (tests, benchmarks).
-    shared: (gate [n, 1], out [n, H]) of a shared expert, added as sigmoid(gate) * out (`combine`)."""
-    n, k = experts.shape
-    e, i2, hd = gate_up.shape
-    i = i2 // 2
-    if down.shape != (e, hd, i) or x.shape[-1] != hd:
-        raise ValueError(f"expert shapes disagree: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, "
-                         f"down {tuple(down.shape)}")
-    x = x.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
-    order = order.contiguous()
-    offs = offs.to(torch.int32).contiguous()
-    wts = weights.reshape(-1).contiguous()
-    hbuf = x.new_empty((n * k, i))
-    ys = x.new_empty((n * k, hd))
-    prec = "ieee" if x.dtype == torch.float32 else None       # fp32 operands (CPU interpreter tests): exact
-    rows_b = _bucket(max(1, n * k // max(e, 1)))
-
-    def up_launch(cfg):
-        bm, bn, bk, w, st = cfg
-        _gate_up_kernel[(e, triton.cdiv(i, bn))](
-            x, order, offs, gate_up, hbuf, x.stride(0), gate_up.stride(0), gate_up.stride(1), hbuf.stride(0),
-            H=hd, I=i, TOPK=k, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=prec, num_warps=w)
-
-    def down_launch(cfg):
-        bm, bn, bk, w, st = cfg
-        _down_kernel[(e, triton.cdiv(hd, bn))](
-            hbuf, order, offs, wts, down, ys, hbuf.stride(0), down.stride(0), down.stride(1), ys.stride(0),
-            H=hd, I=i, TOPK=k, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=prec, num_warps=w)
-
+    shared: (gate [n, 1], out [n, H]) of a shared expert, added as sigmoid(gate) * out (`combine`).
+    desc: the weights read by tensor descriptors (None: the module's TMA_WEIGHTS, where `_descriptors_apply`)."""
+    run = _Launch(x, weights, experts, gate_up, down, order, offs, desc)
     if configs is not None:
         cu, cd = configs
     elif tune:
-        cu = _tuned(("gate_up", e, hd, i, k, rows_b, x.dtype), x.device, up_launch, hbuf, "gate_up")
+        cu = _tuned(("gate_up",) + run.key, x.device, run.up, run.hbuf, "gate_up")
     else:
         cu = _CONFIGS["gate_up"][0]
-    up_launch(cu)
+    run.up(cu)
     if configs is None:
-        cd = (_tuned(("down", e, hd, i, k, rows_b, x.dtype), x.device, down_launch, ys, "down") if tune
+        cd = (_tuned(("down",) + run.key, x.device, run.down, run.ys, "down") if tune
               else _CONFIGS["down"][0])
-    down_launch(cd)
+    run.down(cd)
     # each token's k rows summed in fp32 (and the shared expert's output added), rounded once
+    n, k, hd = run.n, run.k, run.hd
     if COMBINE_KERNEL:
-        return combine(ys, k, shared)
-    return with_shared(ys.view(n, k, hd).sum(1, dtype=torch.float32).to(x.dtype), shared)
+        return combine(run.ys, k, shared)
+    return with_shared(run.ys.view(n, k, hd).sum(1, dtype=torch.float32).to(x.dtype), shared)

@@ -214,7 +214,8 @@ def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use
     (ops/reference/gated_delta.py `chunk_gated_delta_rule` with S_0 = [0 | I]). A program takes one
     (run, value head): the run's shared part ((I + A)^-1, the q.k products) once, then its blocks of the
     V + K columns one after another (blocks_per_program: fewer blocks per program, more programs, each
-    making the shared part again); the products are small tensor-core matmuls, with no step-by-step loop
+    making the shared part again; None: one block a program where the (run, head) pairs are fewer than the SMs);
+    the products are small tensor-core matmuls, with no step-by-step loop
     over the run's tokens. Same returns as `summary`; with `factors`, T is left in
     its factored form (reference `run_factors`): (o, u, S [R, HV, K, V], F [R, HV, 2 w + 1, K]), w the
     padded run length (`factor_width`); with `values` too, U [R, HV, w, V] in S's place (reference `run_values`;
@@ -231,7 +232,15 @@ def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use
     if values:
         final = uval = torch.empty(r, hv, bl, vd, dtype=torch.float32, device=v.device)
     blocks = triton.cdiv(vd + kd, block_v)
-    nb = blocks if blocks_per_program is None else max(1, min(blocks_per_program, blocks))
+    if blocks_per_program is None:
+        # every block of a (run, head) in one program where those programs fill the GPU; fewer runs (a query's
+        # tail alone: 1 x 32 heads, each program then walked 4 blocks of a 64-token chunk one after another, H200
+        # run 107) take a program per block, each making the run's shared part again
+        from .triton_scan import _sm_count
+
+        nb = blocks if r * hv >= _sm_count(v.device) else 1
+    else:
+        nb = max(1, min(blocks_per_program, blocks))
     _chunk_summary_kernel[(r, hv, triton.cdiv(blocks, nb))](
         q, k, v, g[0].contiguous(), beta[0].contiguous(), cu_seqlens, o, final, fac, uval, q.stride(0), k.stride(0),
         v.stride(0), scale, H=h, HV=hv, K=kd, V=vd, BK=max(16, triton.next_power_of_2(kd)), BV=block_v, BL=bl,
