@@ -181,6 +181,34 @@ def gpu_ms(fn) -> float:
     return sum(e.self_device_time_total for e in pr.key_averages()) / 1e3
 
 
+def kernel_times(fn) -> dict:
+    """The device time of one call of fn by kernel name: {name: (us, launches)} (the profiler's self device time;
+    the engine's span annotations left out)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    cuda = DEV == "cuda"                 # (a CPU dry run: the ops' own CPU time)
+    fn()
+    sync()
+    with prof(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as pr:
+        fn()
+        sync()
+    t = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total, e.count) for e in pr.key_averages()}
+    return {k: v for k, v in t.items() if v[0] > 0 and not k.startswith(("engine.", "compose.", "llm."))}
+
+
+def kernel_diff(base: dict, other: dict, rows: int = 14) -> str:
+    """The kernels whose time differs most between two kernel_times tables, and the totals, as text lines."""
+    names = sorted(set(base) | set(other), key=lambda k: -abs(other.get(k, (0, 0))[0] - base.get(k, (0, 0))[0]))
+    out = [f"{'kernel':<60} {'default':>9} {'variant':>9} {'delta':>9}  launches"]
+    for k in names[:rows]:
+        (a, na), (b, nb) = base.get(k, (0.0, 0)), other.get(k, (0.0, 0))
+        out.append(f"{k[:60]:<60} {a:9.1f} {b:9.1f} {b - a:+9.1f}  {na} -> {nb}")
+    ta, tb = sum(v[0] for v in base.values()), sum(v[0] for v in other.values())
+    out.append(f"{'all kernels':<60} {ta:9.1f} {tb:9.1f} {tb - ta:+9.1f}  "
+               f"{sum(v[1] for v in base.values())} -> {sum(v[1] for v in other.values())}")
+    return "\n".join(out)
+
+
 def ceilings():
     big = DEV == "cuda"
     x = torch.empty(1 << (30 if big else 22), dtype=torch.float32, device=DEV).normal_()
@@ -454,6 +482,22 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         print(f"pic warm TTFT, interleaved, {name}: {statistics.median(var_ts[name]) * 1e3:.1f} ms "
               f"{[round(t * 1e3, 1) for t in var_ts[name]]}; minus default, paired by round: median "
               f"{statistics.median(paired) * 1e3:+.2f} ms", flush=True)
+    if args.profile and len(variants) > 1:
+        # each variant's kernels against the default's in one profiled warm request (a variant that wins or loses
+        # then says where: H200 run 107's query tail lost 1.26 ms with no profile to tell which kernel)
+        p_k = Prompt(segments=[segs[i] for i in _shuffled(order_a, 99)], query=query)
+        per = {}
+        for name, switch, kw in variants:
+            llm.engine.composer = composers[name]
+            try:
+                with switch():
+                    per[name] = kernel_times(lambda: ttft(p_k))
+            finally:
+                llm.engine.composer = comp
+        rag["variant_kernels_us"] = {n: {k: v[0] for k, v in t.items()} for n, t in per.items()}
+        for name, *_ in variants[1:]:
+            print(f"\n== kernels: {name} minus default (one profiled warm request; us, count) ==")
+            print(kernel_diff(per["default"], per[name]))
     for name, c in composers.items():
         if c is not comp:
             c.clear()

@@ -895,7 +895,7 @@ for bv, lmax in ((16, 16), (32, 16), (64, 40)):          # one chunk per run (16
     # the transitions in factored form (reference run_factors; zero rows past each run)
     wf = recurrent_gated_delta_summary(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, max_len=lmax,
                                        factors=True)
-    for nb in (None, 1):                                  # every column block in one program, or one each
+    for nb in (None, 1, 64):              # the default (here: one block a program, few runs), one, every block
         got = chunk_summary(q, k, v, g, beta, cu, lmax, use_qk_l2norm_in_kernel=True, block_v=bv, factors=True,
                             blocks_per_program=nb)
         assert got[3].shape == wf[3].shape and all(rel(a, b.double()) < 1e-6 for a, b in zip(got, wf)), (bv, nb)
