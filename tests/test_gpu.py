@@ -1135,6 +1135,19 @@ for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, 
         assert last.lmax == 32 if sub == 32 else last.lmax > 32, last
 lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
 cg.SUB_RUN, cg.QUERY_TAIL = 16, 0
+# the MoE model's static pass with the experts' weights read by tensor descriptors (triton_moe.TMA_WEIGHTS)
+from hypic.ops import triton_moe
+want = [LLM("tiny-qwen3.5-moe", device="cpu", dtype="float32", compose="eager", seed=0).generate([p], sp)[0]
+        for p in ps]
+triton_moe.TMA_WEIGHTS = True
+made, _desc = [], triton_moe._desc
+triton_moe._desc = lambda *a: made.append(a[1:]) or _desc(*a)      # (the descriptors the kernels were given)
+llm = LLM("tiny-qwen3.5-moe", device="cpu", dtype="float32", compose="static", seed=0)
+for a, p in zip(want, ps):
+    b = llm.generate([p], sp)[0]
+    assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
+assert made and not fast.FAILED, fast.FAILED
+triton_moe.TMA_WEIGHTS, triton_moe._desc = False, _desc
 fast.FAILED.update(("steps", "attention", "conv", "summary", "chunk_summary", "order"))   # kernels that could not
 llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)  # be built: PyTorch forms
 for a, p in zip(out["eager"], ps):

@@ -170,11 +170,11 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     if tail:        # the tail's and the pads' rows: the tail's run index, row 0, for the correction's gather (a slot
         run_of = np.full(np_, r - 1, dtype=np.int64)    # of no chained run: their rows are the tail's to write)
         run_of[: cu[r - 1]] = np.repeat(np.arange(r - 1, dtype=np.int64), lens_a[:-1])
-        pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
-        pos_in_run[cu[r - 1] :] = 0
     else:
         run_of = np.repeat(np.arange(r, dtype=np.int64), lens_a)
-        pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
+    pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
+    if tail:
+        pos_in_run[cu[r - 1] :] = 0
     # conv: the stream of raw inputs as the recurrence sees them (entries by their tails)
     wm1 = max(conv_width - 1, 0)
     tail_rows, row = [], wm1
