@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the chain scan's builds for the H200 (sm_90a), on a machine without a GPU;
-then those of the compose attention, its fold, the MoE combine, the low-rank pair kernel, the query tail's epilogue and the
-chunked summary.
+then those of the compose attention, its fold, the MoE combine, the low-rank pair kernel, the query tail's epilogue, the
+routed experts' kernels (each configuration and form) and the chunked summary.
 
 Triton compiles for a named target without a device, and the ptxas it ships reports each build's registers and
 spills: the H200's own numbers for the same source and specialisation (H200 run 54 reported 255 registers and 58
@@ -67,16 +67,19 @@ def _ptxas_counts(k):
     return int(used.group(1)) if used else None, stores, loads
 
 
-def kernel_build(fn, sig: dict, const: dict, warps: int, stages: int = 1):
+def kernel_build(fn, sig: dict, const: dict, warps: int, stages: int = 1, divisible=()):
     """Compile any Triton kernel for sm_90a (pointer arguments: those typed "*..."); (registers, spill stores in
-    bytes, shared memory in bytes) from ptxas -v."""
+    bytes, shared memory in bytes) from ptxas -v. divisible: the integer arguments the launch specialises as multiples
+    of 16 (Triton does so for any such value: a row stride of 2,048 elements is one; left out, the loads they address
+    cannot be vectorised and the build differs from the device's: the MoE kernel then showed 2 KB of spills and no
+    shared-memory pipeline)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(sig)
     sig = dict(sig, **{k: "constexpr" for k in const})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in divisible}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     regs, stores, _ = _ptxas_counts(k)
@@ -115,6 +118,24 @@ def other_builds():
     for bv, w in ((32, 8), (32, 4), (16, 4)):          # the query's tail (31st session): a 64-token tail, K = V = 128
         rows.append(("tail_epilogue", f"value block {bv}, warps {w}", kernel_build(
             ts._tail_kernel, tail, dict(K=128, V=128, WF=64, BV=bv, PREC="tf32x3"), w)))
+    # the routed experts (32nd session): each kernel, a program per tile and persistent, its weights by pointers and by
+    # tensor descriptors (TMA), at the 35B shape (H 2,048, I 512, top 8)
+    moe = {"gate_up": (dict(x="*bf16", order="*i64", offs="*i32", w="*bf16", h="*bf16", s_x="i32", s_we="i32",
+                            s_wn="i32", s_h="i32"), tm._gate_up_kernel, tm._gate_up_persistent, 512),
+           "down": (dict(h="*bf16", order="*i64", offs="*i32", wts="*bf16", w="*bf16", ys="*bf16", s_h="i32",
+                         s_we="i32", s_wn="i32", s_y="i32"), tm._down_kernel, tm._down_persistent, 2048)}
+    for kind, (sig0, plain, persistent, cols) in moe.items():
+        for cfg in tm._CONFIGS[kind] + tm._PERSIST_CONFIGS[kind]:
+            bm, bn, bk, w, st = cfg[:5]
+            for desc in (False, True):
+                sig = dict(sig0, w=f"tensordesc<bf16[{bn},{bk}]>") if desc else dict(sig0)
+                const = dict(H=2048, I=512, TOPK=8, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=None, DESC=desc)
+                fn = plain
+                if len(cfg) > 5:
+                    sig.update(E="i32", nprog="i32")
+                    const["NB"], fn = cols // bn, persistent
+                rows.append((f"moe {kind}", f"{cfg}{', tma' if desc else ''}", kernel_build(
+                    fn, sig, const, w, st, divisible={"s_x", "s_we", "s_wn", "s_h", "s_y"})))
     summ = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", cu="*i32", o="*bf16", final="*fp32",
                 fac="*fp32", uval="*fp32", s_q="i32", s_k="i32", s_v="i32", scale="fp32")
     for fac, val in ((False, False), (True, False), (True, True)):

@@ -2,13 +2,13 @@
 
 A warm `pic` request spends about half its GPU time in the routed experts (H200 run 107: 16.6 of 35.2 ms, the
 weights read at ~3.9 TB/s against a copy rate of 4.2). This times ops/triton_moe.py's gate_up and down kernels one
-by one, for every configuration of its tuner list, with the weights read by pointers and by tensor descriptors
-(`TMA_WEIGHTS`), over several layers' weights in turn (as the model reads them), and beside them the rates at which
+by one, for every configuration of its tuner lists (a program per tile, and the persistent form: `PERSISTENT`, "+P"),
+with the weights read by pointers and by tensor descriptors (`TMA_WEIGHTS`), over several layers' weights in turn (as the model reads them), and beside them the rates at which
 the GPU reads and copies plain memory:
 
     python benchmarks/moe_bench.py [--tokens 224,8,1] [--layers 4] [--reps 20] [--out DIR]
 
-Each row: a kernel, a form, a configuration (BM, BN, BK, warps, stages), microseconds per launch (median of
+Each row: a kernel, a form, a configuration (BM, BN, BK, warps, stages[, programs per SM]), microseconds per launch (median of
 rounds), and the rate at which it reads the weights of the experts in use. Every configuration's output is
 compared with the pointer form's first configuration (1e-2 relative: bf16 rows; a broken build is far off).
 Writes moe_bench.json."""
@@ -101,7 +101,8 @@ def main():
         wbytes = {"gate_up": used * 2 * INTER * HD * 2, "down": used * HD * INTER * 2}
         ref = {}
         for kind in ("gate_up", "down"):
-            cfgs = triton_moe._CONFIGS[kind]
+            # a program per tile (5-entry configurations), then the persistent form (6 entries: programs per SM)
+            cfgs = triton_moe._CONFIGS[kind] + triton_moe._PERSIST_CONFIGS[kind]
             for desc in (False, True):
                 rl = runs[desc]
                 if desc and not rl[0].desc:
@@ -111,6 +112,7 @@ def main():
                     for r_ in rl:                        # the down kernel reads hbuf: each layer's, made once
                         r_.up(triton_moe._CONFIGS["gate_up"][0])
                 for cfg in cfgs:
+                    form = ("tma" if desc else "ptr") + ("+P" if len(cfg) > 5 else "")
                     launch = (lambda r, c=cfg: rl[r % len(rl)].up(c)) if kind == "gate_up" else \
                         (lambda r, c=cfg: rl[r % len(rl)].down(c))
                     try:
@@ -118,27 +120,27 @@ def main():
                         if dev.type == "cuda":
                             torch.cuda.synchronize()
                     except Exception as e:           # a configuration this GPU / Triton cannot build
-                        print(f"{n:>6} {kind:>7} {'tma' if desc else 'ptr':>7} {str(cfg):>22} failed: "
+                        print(f"{n:>6} {kind:>7} {form:>7} {str(cfg):>22} failed: "
                               f"{type(e).__name__}: {str(e)[:120]}", flush=True)
-                        out["rows"].append(dict(tokens=n, kernel=kind, tma=desc, config=cfg, error=str(e)[:300]))
+                        out["rows"].append(dict(tokens=n, kernel=kind, form=form, config=cfg, error=str(e)[:300]))
                         continue
                     got = (rl[0].hbuf if kind == "gate_up" else rl[0].ys).clone()
                     base = ref.setdefault(kind, got)
                     err = rel(got, base)
                     ms = statistics.median(_events_ms(launch, args.reps) for _ in range(args.rounds))
                     tbps = wbytes[kind] / ms / 1e9
-                    print(f"{n:>6} {kind:>7} {'tma' if desc else 'ptr':>7} {str(cfg):>22} {ms * 1e3:8.1f} "
-                          f"{tbps:6.2f} {err:8.1e}", flush=True)
-                    out["rows"].append(dict(tokens=n, kernel=kind, tma=desc, config=cfg, us=ms * 1e3, TBps=tbps,
+                    print(f"{n:>6} {kind:>7} {form:>7} {str(cfg):>22} {ms * 1e3:8.1f} {tbps:6.2f} {err:8.1e}",
+                          flush=True)
+                    out["rows"].append(dict(tokens=n, kernel=kind, form=form, config=cfg, us=ms * 1e3, TBps=tbps,
                                             rel_vs_first=err, experts_used=used, weight_bytes=wbytes[kind]))
         best = {}
         for kind in ("gate_up", "down"):
-            for desc in (False, True):
-                rows = [r for r in out["rows"] if r["tokens"] == n and r["kernel"] == kind and r["tma"] == desc
+            for form in ("ptr", "tma", "ptr+P", "tma+P"):
+                rows = [r for r in out["rows"] if r["tokens"] == n and r["kernel"] == kind and r["form"] == form
                         and "us" in r and r["rel_vs_first"] < 1e-2]
                 if rows:
                     b = min(rows, key=lambda r: r["us"])
-                    best[f"{kind} {'tma' if desc else 'ptr'}"] = (b["config"], round(b["us"], 1), round(b["TBps"], 2))
+                    best[f"{kind} {form}"] = (b["config"], round(b["us"], 1), round(b["TBps"], 2))
         print(f"{n:>6} best: {best}", flush=True)
         out[f"best_{n}"] = {k: list(v) for k, v in best.items()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
