@@ -403,7 +403,9 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 ("fills_beside", flag(_cg, "SIDE_FILL", True), {}),
                 # the runs cut into pieces of 32 or 64 tokens instead of 16 (the 64-token query: 2 or 1 chain steps,
                 # not 4; every run's summary chunk, pair factors and scan correction rows 32 or 64 wide)
-                ("query_tail", flag(_cg, "QUERY_TAIL", 64), {}),     # the query outside the chain (31st, not yet run)
+                # the query's pieces outside the chain, walked by one launch a layer (32nd session; the 31st's form,
+                # the query as one 64-token chunk by a call of its own: +1.26 ms in H200 run 107)
+                ("query_tail", flag(_cg, "QUERY_TAIL", 64), {}),
                 ("sub_run_32", flag(_cg, "SUB_RUN", 32), {}),
                 ("sub_run_64", flag(_cg, "SUB_RUN", 64), {})]
     if _tr is not None:

@@ -113,11 +113,12 @@ def other_builds():
             ts._pair_lowrank_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32"),
             dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec, PW=6, HALVES=hv is True,
                  BC=0 if isinstance(hv, bool) else hv), w)))
-    tail = dict(o="*bf16", s0="*fp32", ot="*bf16", ut="*bf16", U="*fp32", F="*fp32", cu2="*i64", final="*fp32",
-                N="i32", s_on="i32", s_oh="i32", s_tn="i32", s_th="i32", s_un="i32", s_uh="i32")
-    for bv, w in ((32, 8), (32, 4), (16, 4)):          # the query's tail (31st session): a 64-token tail, K = V = 128
+    tail = dict(o="*bf16", u="*bf16", s0="*fp32", U="*fp32", F="*fp32", cu="*i64", final="*fp32", N="i32",
+                s_on="i32", s_oh="i32", s_un="i32", s_uh="i32")
+    for bv, w in ((32, 4), (16, 4), (32, 8)):          # the query's tail (32nd session): 4 runs of 16, K = V = 128
         rows.append(("tail_epilogue", f"value block {bv}, warps {w}", kernel_build(
-            ts._tail_kernel, tail, dict(K=128, V=128, WF=64, BV=bv, PREC="tf32x3"), w)))
+            ts._tail_kernel, tail, dict(HV=32, K=128, V=128, WF=16, BV=bv, BT=16, NT=4, PREC="tf32x3"), w,
+            divisible={"s_on", "s_oh", "s_un", "s_uh"})))
     # the routed experts (32nd session): each kernel, a program per tile and persistent, its weights by pointers and by
     # tensor descriptors (TMA), at the 35B shape (H 2,048, I 512, top 8)
     moe = {"gate_up": (dict(x="*bf16", order="*i64", offs="*i32", w="*bf16", h="*bf16", s_x="i32", s_we="i32",

@@ -432,12 +432,12 @@ def test_longer_run_pieces_equal_planned_walk(hf_checkpoints, sub, monkeypatch):
 
 
 def test_lowering_a_query_tail():
-    """QUERY_TAIL: a last run longer than SUB_RUN (up to tail_max) stays one run, last in storage and outside both chains
-    (the chain ends where it starts); no pad runs (the pads' rows, after the tail's, belong to no run); the correction's
-    gather points the tail's and pads' rows at the tail's run (a slot of no chained run: their outputs are the tail's
-    to write)."""
+    """QUERY_TAIL: a last run of up to tail_max tokens is cut into pieces of SUB_RUN like the others, but its pieces
+    (the tail's runs) are last in storage and outside both chains (the chain ends where the query starts; their slots
+    after the chain's, unwalked); no pad runs (the pads' rows, after the tail's, belong to no run: the correction's
+    gather points them at the last tail run, a slot of no chained run)."""
     from hypic.runtime.batch import BatchBuilder
-    from hypic.runtime.compose_graph import pair_runs
+    from hypic.runtime.compose_graph import SUB_RUN, pair_runs
     from hypic.runtime.state import SeqState
 
     class E:
@@ -445,23 +445,32 @@ def test_lowering_a_query_tail():
             self.cached_tokens, self.tail_len = n, 0
             self.layers = {}
 
+    assert SUB_RUN == 16
     b = BatchBuilder("cpu")
-    query = list(range(100, 141))                                    # 41 tokens
+    query = list(range(100, 141))                                    # 41 tokens: pieces of 16, 16, 9
     w = b.add(SeqState(), [("run", [1, 2]), ("apply", E(10)), ("run", [3]), ("apply", E(2)), ("run", query)])
     low = lower(w, b.ids, b.pos, conv_width=0, held=0, tail_max=64)
     sh, t = low.shape, low.tables
-    assert sh == ComposeShape(tokens=64, runs=3, entries=2, keys=256, held=0, lmax=8, tail=64)
-    assert t["cu"].tolist() == [0, 2, 3, 44]                         # two chained runs, then the tail; no pad runs
-    assert t["order"].tolist() == [2, 0, 3, 1, 4]                    # the tail's slot (4) last
+    assert sh == ComposeShape(tokens=64, runs=5, entries=2, keys=256, held=0, lmax=16, tail=3)
+    assert t["cu"].tolist() == [0, 2, 3, 19, 35, 44]                 # two chained runs, then the tail's three
+    assert t["order"].tolist() == [2, 0, 3, 1, 4, 5, 6]              # the tail's slots (4, 5, 6) after the chain
     assert t["cu_maps"].tolist() == [0, 4, 4] and t["cu_pairs"].tolist() == [0, 2, 2]
-    assert t["run_of"].tolist() == [0, 0, 1] + [2] * 61 and t["pos_in_run"].tolist() == [0, 1] + [0] * 62
+    assert t["run_of"].tolist() == [0, 0, 1] + [2] * 16 + [3] * 16 + [4] * 9 + [4] * 20
+    assert t["pos_in_run"].tolist() == [0, 1, 0] + list(range(16)) * 2 + list(range(9)) + [0] * 20
     keep, after = low.pairs
-    assert keep.tolist() == [True, False, True, False, True] and after.tolist() == [0, 1, -1]
-    assert pair_runs(t["order"].numpy().astype("int64"), 4, 2)[1].tolist() == [0, 1, -1]   # the tail pairs with none
-    # not a tail: within SUB_RUN, past tail_max, or off
-    for q, tail_max in ((list(range(100, 110)), 64), (list(range(100, 180)), 64), (query, 0)):
+    assert keep.tolist() == [True, False, True, False, True, True, True] and after.tolist() == [0, 1, -1, -1, -1]
+    assert pair_runs(t["order"].numpy().astype("int64"), 4, 2)[1].tolist() == [0, 1, -1, -1, -1]
+    # a query within SUB_RUN: one tail run
+    b = BatchBuilder("cpu")
+    w = b.add(SeqState(), [("run", [1, 2]), ("apply", E(10)), ("run", list(range(100, 110)))])
+    low = lower(w, b.ids, b.pos, conv_width=0, held=0, tail_max=64)
+    assert low.shape.tail == 1 and low.tables["cu"].tolist() == [0, 2, 12] and low.tables["cu_maps"].tolist() == [0, 2, 2]
+    # not a tail: past tail_max, off, or no chained run before the query
+    for pieces, tail_max in (([("run", [1, 2]), ("apply", E(10)), ("run", list(range(100, 180)))], 64),
+                             ([("run", [1, 2]), ("apply", E(10)), ("run", query)], 0),
+                             ([("apply", E(10)), ("run", query)], 64)):
         b = BatchBuilder("cpu")
-        w = b.add(SeqState(), [("run", [1, 2]), ("apply", E(10)), ("run", q)])
+        w = b.add(SeqState(), pieces)
         low = lower(w, b.ids, b.pos, conv_width=0, held=0, tail_max=tail_max)
         assert low.shape.tail == 0 and low.tables["cu"][-1] == low.shape.tokens  # the pads in runs again
 
@@ -487,4 +496,4 @@ def test_query_tail_on_and_off_equal_planned_walk(hf_checkpoints, arch, monkeypa
             assert a.token_ids == b.token_ids
             torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
         tails = {s.tail for s in llm.engine.composer.ready}
-        assert (tails == {0}) if tail == 0 or arch == "kimi_linear" else (64 in tails), tails
+        assert (tails == {0}) if tail == 0 or arch == "kimi_linear" else (3 in tails), tails       # 41 tokens: 3 runs

@@ -650,9 +650,10 @@ def test_cuda_graph_compose_with_low_rank_pairs():
 
 @cuda
 def test_cuda_graph_compose_with_query_tail():
-    """QUERY_TAIL (runtime/compose_graph.py): a 41- or 37-token query left out of the chain, summarized as one chunk by
-    its own call, its outputs and the final state made from the chain's last state by fp32 products, the pads' rows
-    zeroed, all inside the captured graph; against the query chained in pieces of 16 (QUERY_TAIL 0). fp32: the two
+    """QUERY_TAIL (runtime/compose_graph.py): a 41- or 37-token query's three pieces left out of the chain, summarized
+    with the other runs, walked from the chain's last state by one launch per layer (their outputs and the final state
+    by fp32 products, the pads' rows zeroed), all inside the captured graph; against the query chained in pieces of 16
+    (QUERY_TAIL 0). fp32: the two
     differ by the order of fp32-level products only (~1e-6 relative on the states), so 1e-4 on the logits as in the
     pairs' test; the decode steps after them run from the tail's final state."""
     from hypic import LLM, Prompt, SamplingParams
@@ -671,7 +672,7 @@ def test_cuda_graph_compose_with_query_tail():
             got[tail] = [llm.generate([p], sp)[0] for p in ps]
             comp = llm.engine.composer
             assert comp.captures >= 1 and comp.replays >= 1
-            assert {s.tail for s in comp.ready} == ({64} if tail else {0})
+            assert {s.tail for s in comp.ready} == ({3} if tail else {0})
         finally:
             cg.QUERY_TAIL = saved
     for a, b in zip(got[0][1:], got[64][1:]):
@@ -1125,7 +1126,7 @@ cg.COPY_BY_ADDRESS = True                      # the fill's packing through the 
 # the runs' transitions dense [S | T] (default), factored, or paired with the cached map after them (low rank); runs cut
 # into pieces of 16 tokens (default), 32 or 64 (the 41-token query in two pieces or one: the summary's chunk, the pairs'
 # factors and the scan's correction rows 64 wide)
-# (the 41-token query outside the chain as its tail, QUERY_TAIL, except where the pieces are 64 long or it is off: 0)
+# (the 41-token query's pieces outside the chain as its tail, QUERY_TAIL, except where it is off: 0)
 for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, False, False, 16, 64),
                                           (False, True, False, 16, 64), (False, True, True, 16, 64),
                                           (False, True, False, 16, 0), (False, True, False, 32, 0),
@@ -1149,7 +1150,7 @@ for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, 
         assert cu_m[1] - cu_p[1] == 3 and cu_m[2] - cu_p[2] == 3, (cu_m, cu_p)
         assert (lay0["pairs"][:, 0] != 0).sum() == 3
     last = list(llm.engine.composer.ready)[-1]              # the 41-token query's shape
-    assert last.tail == (64 if tail and sub < 41 else 0), (last, sub, tail)
+    assert last.tail == (-(-41 // sub) if tail else 0), (last, sub, tail)          # the query's runs (pieces of sub)
     if sub > 16:                # the longest run of the last request (41 tokens) in one or two pieces (the pads too)
         assert last.lmax == 32 if sub == 32 else last.lmax > 32, last
 lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
@@ -1296,12 +1297,13 @@ print("ok")
 
 @needs_triton
 def test_triton_tail_epilogue_in_interpreter():
-    """The query's tail continued from the chain's state (ops/triton_scan.tail_epilogue, the compose pass's QUERY_TAIL)
-    in Triton's interpreter: a 41-token run summarized from zero by the reference (outputs, readout, factors and WY
-    values at width 64) inside rows of a larger pass (the tail at rows 9..49 of 64, the pads after it), then continued
-    from a random state s0. Against the token-by-token recurrence of the same tokens from s0 in fp64 (outputs and
-    final state, 1e-5: fp32 products), and equal to the reference op to fp32 rounding; the rows before the tail left
-    as they were, the pads' rows zero; the summaries' [N, HV, V + K] views (strided rows) as the pass gives them."""
+    """The query's tail walked from the chain's state (ops/triton_scan.tail_epilogue, the compose pass's QUERY_TAIL) in
+    Triton's interpreter: a 41-token query in three runs (16, 16, 9 tokens) summarized from zero by the reference
+    (outputs, readout, factors and WY values at width 16) inside rows of a larger pass (rows 9..49 of 64, the pads
+    after them), then walked from a random state s0. Against the token-by-token recurrence of the same tokens from s0
+    in fp64 (outputs and final state, 1e-5: fp32 products), for the kernel and the reference op; the rows before the
+    tail left as they were, the pads' rows zero; the summary's [N, HV, V + K] views (strided rows) as the pass gives
+    them. A mutant that skips a run's state update fails."""
     code = """
 import math, torch
 from hypic.ops.triton_scan import tail_epilogue
@@ -1313,32 +1315,43 @@ q = torch.randn(1, N, HV, K, generator=g)
 v = torch.randn(1, N, HV, V, generator=g)
 gl = torch.empty(1, N, HV).uniform_(math.log(0.7), 0, generator=g)
 beta = torch.rand(1, N, HV, generator=g)
-cu2 = torch.tensor([t0, t1])
+cu_t = torch.tensor([9, 25, 41, 50])
 sl = slice(t0, t1)
 ot, ut, U, F = recurrent_gated_delta_summary(q[:, sl], k[:, sl], v[:, sl], gl[:, sl], beta[:, sl],
-                                             cu_seqlens=torch.tensor([0, t1 - t0]), max_len=64, factors=True,
-                                             values=True)
-buf = torch.full((2, N, HV, V + K), float("nan"))         # the summaries' outputs as the pass has them: [o | u] rows
-buf[0, sl, :, :V], buf[0, sl, :, V:] = ot, ut
+                                             cu_seqlens=cu_t - t0, max_len=16, factors=True, values=True)
+assert U.shape == (3, HV, 16, V) and F.shape == (3, HV, 33, K)
+buf = torch.full((N, HV, V + K), float("nan"))           # the summary's outputs as the pass has them: [o | u] rows
+buf[sl, :, :V], buf[sl, :, V:] = ot, ut
 s0 = torch.randn(HV, K, V, generator=g)
 o0 = torch.randn(N, HV, V, generator=g)
 want_o, want_s = recurrent_gated_delta_rule(q[:, sl].double(), k[:, sl].double(), v[:, sl].double(), gl[:, sl].double(),
                                             beta[:, sl].double(), initial_state=s0[None].double(),
                                             output_final_state=True)
-for name in ("kernel", "reference"):
-    o = buf[1, :, :, :V]
-    o.copy_(o0)
+for name in ("kernel", "reference", "reference in two calls", "mutant"):
+    b = buf.clone()
+    b[:t0, :, :V] = o0[:t0]                               # rows before the tail: the chained runs', left as they are
+    o, u = b[..., :V], b[..., V:]
     if name == "kernel":
-        fin = tail_epilogue(o, s0, buf[0, :, :, :V], buf[0, :, :, V:], U, F, cu2, block_v=16, warps=4)
-    else:
-        fin = gated_delta_tail(o, s0, buf[0, :, :, :V], buf[0, :, :, V:], U, F, cu2)      # (NaN rows outside the tail)
+        fin = tail_epilogue(o, u, s0, U, F, cu_t, block_v=16, warps=4)
+    elif name == "reference":
+        fin = gated_delta_tail(o, u, s0, U, F, cu_t)
+    elif name == "reference in two calls":                # runs 0-1, then run 2 from the state they leave
+        fin = gated_delta_tail(o[:41], u[:41], s0, U[:2], F[:2], cu_t[:3])
+        fin = gated_delta_tail(o, u, fin, U[2:], F[2:], cu_t[2:])
+    else:                                                 # run 1 taken as the identity (T = I, S = 0): must fail
+        Fm, Um = F.clone(), U.clone()
+        Fm[1], Um[1] = 0, 0
+        Fm[1, :, 32, :] = 1.0
+        fin = tail_epilogue(o, u, s0, Um, Fm, cu_t, block_v=16, warps=4)
+        assert float((fin.double() - want_s[0]).abs().max() / want_s.abs().max()) > 1e-2
+        continue
     err_o = float((o[sl].double() - want_o[0]).abs().max() / want_o.abs().max())
     err_s = float((fin.double() - want_s[0]).abs().max() / want_s.abs().max())
     assert err_o < 1e-5 and err_s < 1e-5, (name, err_o, err_s)
     assert torch.equal(o[:t0], o0[:t0]) and (o[t1:] == 0).all(), name
-for bad in ((U[:, :1],), (U.transpose(-1, -2).contiguous(),)):
+for bad in ((U[:, :1], F, cu_t), (U.transpose(-1, -2).contiguous(), F, cu_t), (U, F, cu_t[:3])):
     try:
-        tail_epilogue(buf[1, :, :, :V], s0, buf[0, :, :, :V], buf[0, :, :, V:], bad[0], F, cu2)
+        tail_epilogue(buf[..., :V].clone(), buf[..., V:].clone(), s0, *bad)
         raise AssertionError("mismatched values must be refused")
     except ValueError:
         pass

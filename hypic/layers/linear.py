@@ -139,7 +139,8 @@ class LinearMixer(nn.Module):
     def query_tail(self, max_len: int) -> bool:
         """The compose pass may leave a request's query of up to max_len tokens out of the chain
         (runtime/compose_graph.py QUERY_TAIL): kernel(..., init_augmented=True, factors=True, values=True) gives a run's
-        factors and WY values in any backend, from which `_tail` makes its outputs and the final state."""
+        factors and WY values in any backend, from which `_tail` walks the query's runs to their outputs and the final
+        state."""
         return False
 
     def compose_buffers(self, shape, device, dtype, shared: dict) -> dict:
@@ -320,15 +321,16 @@ class LinearMixer(nn.Module):
         # every run from zero: outputs, readout, and the runs' maps, [S | T] or S with T's factors (RUN_FACTORS),
         # or U with T's factors (LOWRANK_PAIRS)
         factored, paired = "factor_width" in buf, "pair_maps" in buf
-        # (a tail: the chained runs only, the first R - 1; the tail's own call in `_tail`)
-        o0, u, *maps = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu[: sh.runs] if sh.tail else c.cu, True,
-                                   readout=True, short=True, init_augmented=True, max_len=sh.lmax, factors=factored,
-                                   values=paired)
+        # (a tail's runs too: their outputs from zero, readout, and with the pairs their factors and values, which
+        # `_tail` walks)
+        o0, u, *maps = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu, True, readout=True, short=True,
+                                   init_augmented=True, max_len=sh.lmax, factors=factored, values=paired)
         if o0.shape[0] < sh.tokens:       # (the reference gives the rows its runs cover, here the first ones; eager)
             o0, u = (_rows_at(t, 0, sh.tokens) for t in (o0, u))
         # the chain: entries' (T, S) from their slots, the runs' maps read where the kernel wrote them
         runs, factors = maps[0].float().contiguous(), (maps[1] if factored else None)
         final, cu_maps = None, c.cu_maps
+        tail_maps = (runs, maps[1]) if paired else None       # (the tail's runs' values and factors, where made)
         # FUSE_CORRECTION: the scan corrects the runs' outputs in place as it reaches each run (its initial
         # state in registers; o0 and u are the two column ranges of the summary's [N, H, V + K] outputs);
         # else it writes the runs' initial states and `_corrected` applies them (gpu_bench times both)
@@ -344,7 +346,7 @@ class LinearMixer(nn.Module):
                 if kern is None:      # failed to build before: the unpaired chain by the dense maps below (eager)
                     runs = None
                 else:
-                    pairs = buf["pairs"][: sh.runs - 1] if sh.tail else buf["pairs"]     # (not the tail's row)
+                    pairs = buf["pairs"][: sh.runs - sh.tail]          # (not the tail's runs: no chain reads them)
                     runs = kern(pairs, factors, runs, buf["pair_maps"], skip_marked=SKIP_PAD_PAIRS and fused)
             except Exception as err:
                 kernel_failed("pairs", err)
@@ -364,7 +366,7 @@ class LinearMixer(nn.Module):
                 kernel_failed("steps", err)
             else:
                 if fused:
-                    return self._finish(o0, final[0], f, conv_out, c, src)
+                    return self._finish(o0, u, final[0], f, conv_out, c, src, tail_maps)
         if final is None:
             if "steps" in buf:
                 T, S = stack_dense([(p.T, p.S) for p in buf["parts"]])
@@ -375,31 +377,39 @@ class LinearMixer(nn.Module):
             else:
                 aug = runs if factors is None else factors_to_dense(runs, factors)
             before, final = scan_dense(buf["init"], T, S, c.cu_maps, order=c.order, runs=aug)
-        # before[e:]: each run's start (with a tail, one more: zero, where its and the pads' rows gather)
-        s0 = torch.cat([before[e:], before.new_zeros((1,) + tuple(before.shape[1:]))]) if sh.tail else before[e:]
-        return self._finish(_corrected(o0, u, s0, c.run_of, c.pos_in_run, sh.lmax), final[0], f, conv_out, c, src)
+        # before[e:]: each run's start (the tail's runs are no chain's: their slots zero, where their and the pads'
+        # rows gather; the tail corrects its own)
+        s0 = before[e:]
+        if sh.tail:
+            s0 = torch.cat([s0[: sh.runs - sh.tail], s0.new_zeros((sh.tail,) + tuple(s0.shape[1:]))])
+        return self._finish(_corrected(o0, u, s0, c.run_of, c.pos_in_run, sh.lmax), u, final[0], f, conv_out, c, src,
+                            tail_maps)
 
-    def _finish(self, o, state, f, conv_out, c, src):
+    def _finish(self, o, u, state, f, conv_out, c, src, tail_maps=None):
         """The pass's outputs and what it leaves for the request's state (final state, conv window); with a tail (the
-        query outside the chain, `state` the chain's last: the tail's initial state), the tail's part made by `_tail`."""
+        query's runs outside the chain, `state` the chain's last: the tail's initial state), the tail's part made by
+        `_tail`."""
         if c.shape.tail:
-            o, state = self._tail(o, state, f, conv_out, c)
+            state = self._tail(o, u, state, f, conv_out, c, tail_maps)
         c.outputs[self.layer_idx] = (state, src[c.window])
         return o
 
-    def _tail(self, o, s0, f, conv_out, c):
-        """The query as one run from the chain's last state s0 [H, K, V] (fp32): summarized from zero as one chunk
-        (its outputs from zero, readout, factors and WY values), then continued from s0 by the op `gated_delta_tail`
-        (o_t = o_t(0) + s0^T u_t on the tail's rows of o, in place, the pads' rows zeroed; the state after it
-        gamma s0 + Kd^T (U - W s0)). Returns (outputs, the request's final state)."""
+    def _tail(self, o, u, s0, f, conv_out, c, maps=None):
+        """The query's runs (the last c.shape.tail, summarized from zero with the others: o holds their outputs from
+        zero, u every row's readout) walked from the chain's last state s0 [H, K, V] (fp32) by the op
+        `gated_delta_tail`: each run's outputs corrected from the state entering it (o_t += x^T u_t, in place), the
+        state taken through the run's factors, the pads' rows zeroed. The runs' values and factors: `maps` (U, F of
+        every run, where the summary made them for the pairs), else a summary call of the tail's runs alone. Returns
+        the request's final state."""
         sh = c.shape
-        cu2 = c.cu[sh.runs - 1 :]                       # the tail's rows: the last run's
-        ot, ut, U, F = self.kernel(f, conv_out, slice(0, sh.tokens), None, cu2, True, readout=True, short=True,
-                                   init_augmented=True, max_len=sh.tail, factors=True, values=True)
-        if ot.shape[0] < sh.tokens:       # (the reference gives the tail's rows alone: put where the tail is; eager)
-            t0 = int(cu2[0])
-            ot, ut = (_rows_at(t, t0, sh.tokens) for t in (ot, ut))
-        return o, self.ops.gated_delta_tail(o, s0, ot, ut, U, F, cu2)
+        first = sh.runs - sh.tail
+        cu_t = c.cu[first:]
+        if maps is not None:
+            U, F = (t[first:] for t in maps)
+        else:
+            _, _, U, F = self.kernel(f, conv_out, slice(0, sh.tokens), None, cu_t, True, readout=True, short=True,
+                                     init_augmented=True, max_len=sh.lmax, factors=True, values=True)
+        return self.ops.gated_delta_tail(o, u, s0, U, F, cu_t)
 
     def compose_state(self, out, bufs, low, old, capacity: int) -> LinearState:
         final, window = out

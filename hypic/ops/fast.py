@@ -229,17 +229,17 @@ def recurrent_gated_delta_summary(q, k, v, g, beta, *, cu_seqlens, scale=None, u
                                              factors=factors, values=values)
 
 
-def gated_delta_tail(o, s0, ot, ut, U, fac, cu2):
+def gated_delta_tail(o, u, s0, U, fac, cu):
     """The reference signature (ops/reference/gated_delta.py): where Triton runs, one launch (ops/triton_scan.py
-    `tail_epilogue`: the state after the tail through its factors, its outputs, the pads' rows zeroed); else the
-    reference's few batched products, a where and a fill."""
-    kern = triton_kernel("tail", s0, ot, ut, U, fac) if triton_here(s0) else None
+    `tail_epilogue`: the tail's runs walked from the chain's state, their outputs corrected, the pads' rows zeroed);
+    else the reference's few batched products per run."""
+    kern = triton_kernel("tail", s0, u, U, fac) if triton_here(s0) else None
     if kern is not None:
         try:
-            return kern(o, s0.contiguous(), ot, ut, U.contiguous(), fac.contiguous(), cu2)
+            return kern(o, u, s0.contiguous(), U.contiguous(), fac.contiguous(), cu)
         except Exception as e:
             kernel_failed("tail", e)
-    return ref.gated_delta_tail(o, s0, ot, ut, U, fac, cu2)
+    return ref.gated_delta_tail(o, u, s0, U, fac, cu)
 
 
 def needs_grad(*ts) -> bool:

@@ -607,59 +607,63 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
 
 
 @triton.jit
-def _tail_kernel(o, s0, ot, ut, U, F, cu2, final, N, s_on, s_oh, s_tn, s_th, s_un, s_uh, K: tl.constexpr,
-                 V: tl.constexpr, WF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Program (value head h, block of BV value columns): the tail from the chain's state x = s0[h][:, block]."""
+def _tail_kernel(o, u, s0, U, F, cu, final, N, s_on, s_oh, s_un, s_uh, HV: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, WF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NT: tl.constexpr,
+                 PREC: tl.constexpr):
+    """Program (value head h, block of BV value columns): the tail's NT runs walked from the chain's state
+    x = s0[h][:, block], each run's outputs corrected from the state entering it, then the state through its factors."""
     h = tl.program_id(0)
     rv = tl.program_id(1) * BV + tl.arange(0, BV)
     rk = tl.arange(0, K)
     rw = tl.arange(0, WF)
+    tt = tl.arange(0, BT)
     x = tl.load(s0 + h * (K * V) + rk[:, None] * V + rv[None, :])                              # [K, BV]
-    fb = F + h * ((2 * WF + 1) * K)
-    kd = tl.load(fb + rw[:, None] * K + rk[None, :])                                          # [WF, K]
-    wf = tl.load(fb + (WF + rw)[:, None] * K + rk[None, :])                                   # [WF, K]
-    gamma = tl.load(fb + 2 * WF * K)
-    u = tl.load(U + h * (WF * V) + rw[:, None] * V + rv[None, :])                             # [WF, BV]
-    d = u - tl.dot(wf, x, input_precision=PREC)
-    fin = gamma * x + tl.dot(tl.trans(kd), d, input_precision=PREC)                          # [K, BV]
-    tl.store(final + h * (K * V) + rk[:, None] * V + rv[None, :], fin)
-    t0 = tl.load(cu2)
-    t1 = tl.load(cu2 + 1)
-    rows = (t0 + rw).to(tl.int64)
-    mr = rows < t1
-    urow = tl.load(ut + rows[:, None] * s_un + h * s_uh + rk[None, :], mask=mr[:, None], other=0.0).to(tl.float32)
-    orow = tl.load(ot + rows[:, None] * s_tn + h * s_th + rv[None, :], mask=mr[:, None], other=0.0).to(tl.float32)
-    out = orow + tl.dot(urow, x, input_precision=PREC)                                        # [WF, BV]
-    tl.store(o + rows[:, None] * s_on + h * s_oh + rv[None, :], out.to(o.dtype.element_ty), mask=mr[:, None])
-    zero = tl.zeros((WF, BV), dtype=o.dtype.element_ty)
-    start = t1
+    for j in tl.static_range(NT):
+        t0 = tl.load(cu + j)
+        t1 = tl.load(cu + j + 1)
+        rows = (t0 + tt).to(tl.int64)
+        mr = rows < t1
+        urow = tl.load(u + rows[:, None] * s_un + h * s_uh + rk[None, :], mask=mr[:, None], other=0.0).to(tl.float32)
+        optr = o + rows[:, None] * s_on + h * s_oh + rv[None, :]
+        orow = tl.load(optr, mask=mr[:, None], other=0.0).to(tl.float32)
+        tl.store(optr, (orow + tl.dot(urow, x, input_precision=PREC)).to(o.dtype.element_ty), mask=mr[:, None])
+        fb = F + (j * HV + h) * ((2 * WF + 1) * K)
+        kd = tl.load(fb + rw[:, None] * K + rk[None, :])                                      # [WF, K]
+        wf = tl.load(fb + (WF + rw)[:, None] * K + rk[None, :])                               # [WF, K]
+        gamma = tl.load(fb + 2 * WF * K)
+        uv = tl.load(U + (j * HV + h) * (WF * V) + rw[:, None] * V + rv[None, :])            # [WF, BV]
+        d = uv - tl.dot(wf, x, input_precision=PREC)
+        x = gamma * x + tl.dot(tl.trans(kd), d, input_precision=PREC)                         # [K, BV]
+    tl.store(final + h * (K * V) + rk[:, None] * V + rv[None, :], x)
+    zero = tl.zeros((BT, BV), dtype=o.dtype.element_ty)
+    start = tl.load(cu + NT)
     while start < N:                       # the pads' rows after the tail: zero
-        prow = (start + rw).to(tl.int64)
+        prow = (start + tt).to(tl.int64)
         tl.store(o + prow[:, None] * s_on + h * s_oh + rv[None, :], zero, mask=(prow < N)[:, None])
-        start += WF
+        start += BT
 
 
-def tail_epilogue(o, s0, ot, ut, U, fac, cu2, *, block_v: int | None = None, warps: int = 4,
-                  precision: str | None = None):
+def tail_epilogue(o, u, s0, U, fac, cu, *, block_v: int | None = None, warps: int = 4, precision: str | None = None):
     """ops/reference/gated_delta.gated_delta_tail in one launch (its docstring has the layout): program (value head,
-    block of value columns) holds its block of s0, makes the state after the tail through the factors (two thin
-    products) and the tail's outputs from it (one more), writes the outputs and zeroes the pads' rows in o in place.
-    The rows' strides are read from o, ot and ut (views of the summaries' [N, HV, V + K] outputs); s0, U and the
+    block of value columns) holds its block of the state from s0 on, and for each of the tail's runs corrects the
+    run's outputs in o in place, then takes the state through the run's factors (two thin products); the pads' rows
+    zeroed. The rows' strides are read from o and u (views of the summary's [N, HV, V + K] outputs); s0, U and the
     factors contiguous. precision: tl.dot's (default "tf32x3" on CUDA: fp32-level products; "ieee" elsewhere).
     Not yet run on a GPU (Triton's interpreter against the reference and the fp64 recurrence only)."""
     hv, k, v = s0.shape
-    wf = U.shape[-2]
-    block_v = block_v or 16         # (sm_90a, offline: 255 registers and 16 bytes of spills at 16 / 4 warps; 44 at 32 / 8)
+    nt, wf = U.shape[0], U.shape[-2]
+    block_v = block_v or min(32, v)       # (sm_90a, offline: 227 registers, no spills at 32 and 4 warps)
     pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
     if not (s0.is_contiguous() and U.is_contiguous() and fac.is_contiguous() and s0.dtype == torch.float32
-            and U.shape == (1, hv, wf, v) and fac.shape == (1, hv, 2 * wf + 1, k) and v % block_v == 0
-            and o.stride(-1) == ot.stride(-1) == ut.stride(-1) == 1 and pow2(wf) and pow2(k) and pow2(block_v)):
-        raise ValueError("tail_epilogue: s0 [HV, K, V] fp32, U [1, HV, WF, V], factors [1, HV, 2 WF + 1, K] "
-                         "contiguous, rows with unit column stride, K, WF and the block powers of two >= 16, V a "
-                         "multiple of the block")
+            and U.shape == (nt, hv, wf, v) and fac.shape == (nt, hv, 2 * wf + 1, k) and v % block_v == 0
+            and cu.shape == (nt + 1,) and o.stride(-1) == u.stride(-1) == 1 and pow2(wf) and pow2(k)
+            and pow2(block_v) and nt >= 1):
+        raise ValueError("tail_epilogue: s0 [HV, K, V] fp32, U [R, HV, WF, V], factors [R, HV, 2 WF + 1, K] "
+                         "contiguous, cu [R + 1], rows with unit column stride, K, WF and the block powers of two "
+                         ">= 16, V a multiple of the block")
     final = torch.empty_like(s0)
     prec = precision or ("tf32x3" if s0.is_cuda else "ieee")
-    _tail_kernel[(hv, v // block_v)](o, s0, ot, ut, U, fac, cu2, final, o.shape[0], o.stride(0), o.stride(1),
-                                     ot.stride(0), ot.stride(1), ut.stride(0), ut.stride(1), K=k, V=v, WF=wf,
-                                     BV=block_v, PREC=prec, num_warps=warps)
+    _tail_kernel[(hv, v // block_v)](o, u, s0, U, fac, cu, final, o.shape[0], o.stride(0), o.stride(1), u.stride(0),
+                                     u.stride(1), HV=hv, K=k, V=v, WF=wf, BV=block_v, BT=wf, NT=nt, PREC=prec,
+                                     num_warps=warps)
     return final

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..ops.reference.gated_delta import CHUNK_MAX, factor_width
+from ..ops.reference.gated_delta import CHUNK_MAX
 from .batch import Apply, ForwardBatch, Run, SeqWork
 from .graphs import capture_forward
 from .trace import span
@@ -71,23 +71,25 @@ COPY_BY_ADDRESS = False
 # (H100 run 103, paired by round: every fill on the pass's stream -0.02 ms against it; with the keys ordered ahead,
 # +0.43 ms in run 102, but ordering ahead itself cost more); gpu_bench's variant `fills_beside`
 SIDE_FILL = False
-# a request's query (its last run, SUB_RUN < n <= QUERY_TAIL <= CHUNK_MAX tokens) as one run outside the chain, where every
-# stateful layer can take it (`query_tail`): summarized as one chunk by a call of its own, its outputs and the
-# request's final state made from the chain's last state (layers/linear.py); 0: cut into pieces of SUB_RUN and chained
-# like the others. Off until a GPU has run it (CPU and Triton's interpreter only so far; gpu_bench's variant
-# `query_tail`, CUDA test test_cuda_graph_compose_with_query_tail)
+# a request's query (its last run, n <= QUERY_TAIL tokens) outside the chain, where every stateful layer can take it
+# (`query_tail`): its pieces of SUB_RUN tokens summarized with the other runs, the chain ending where it starts, and the
+# pieces walked from the chain's last state by one launch per layer (layers/linear.py `_tail`, op gated_delta_tail: their
+# outputs and the request's final state); 0: its pieces chained like the others. The first form (H200 run 107: +1.26 ms)
+# summarized the query as one 64-token chunk by a call of its own (32 programs, 1 KB of spills). Off until a GPU has run
+# this one (CPU and Triton's interpreter only so far; gpu_bench's variant `query_tail`, CUDA test
+# test_cuda_graph_compose_with_query_tail)
 QUERY_TAIL = 0
 
 
 @dataclass(frozen=True)
 class ComposeShape:
     tokens: int         # Np
-    runs: int           # R, the pad runs included (with a tail: the chained runs, then the tail; no pad runs)
+    runs: int           # R, the pad runs included (with a tail: the chained runs, then the tail's; no pad runs)
     entries: int        # E
     keys: int           # Kc bucket: cached keys per attention layer
     held: int           # P bucket: keys the request holds before the pass (a cached prefix)
     lmax: int           # longest chained run, padded (the readout correction's row count)
-    tail: int = 0       # the query's tail outside the chain (`lower`'s tail_max): its chunk width, else 0
+    tail: int = 0       # the query's runs outside the chain (`lower`'s tail_max): how many (the last runs), else 0
 
 
 def _round(n: int, step: int) -> int:
@@ -122,9 +124,10 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
           tail_max: int = 0) -> Lowered | None:
     """The request's tables, or None when the lowering does not cover it. held: keys the request's
     attention layers hold already (with their positions in the state). tail_max > 0: a last run (the query) of
-    SUB_RUN < n <= tail_max tokens becomes the tail: one run, last in storage, outside the chain (the chain ends
-    at its start; the linear layers make its outputs and the final state from there: layers/linear.py), and the
-    pad tokens are rows of no run (the rows after the tail's: their outputs zero)."""
+    n <= tail_max tokens becomes the tail: its pieces (of SUB_RUN tokens, summarized with the other runs) last in
+    storage and outside the chain (the chain ends at its start; the linear layers walk them from there:
+    layers/linear.py `_tail`), and the pad tokens are rows of no run (the rows after the tail's: their outputs
+    zero)."""
     runs = [p for p in work.pieces if isinstance(p, Run)]
     applies = [p for p in work.pieces if isinstance(p, Apply)]
     if not applies or not runs or any(r.summarize or r.mark or r.n > MAX_RUN for r in runs):
@@ -135,46 +138,47 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     np_ = _round(n + 1, 64)
     pad = np_ - n
     last = work.pieces[-1]
-    tail = last if isinstance(last, Run) and SUB_RUN < last.n <= tail_max else None
+    tail = last if isinstance(last, Run) and last.n <= tail_max else None
     if tail is not None and not any(isinstance(p, Run) for p in work.pieces[:-1]):
-        tail = None                                  # (no chained run before it: cut as the others)
-    pieces = _cut(work.pieces[:-1] if tail else work.pieces, SUB_RUN)
+        tail = None                                  # (no chained run before it: chained as the others)
+    pieces = _cut(work.pieces, SUB_RUN)
     runs = [p for p in pieces if isinstance(p, Run)]
+    nt = -(-tail.n // SUB_RUN) if tail else 0        # the tail's runs: the last nt (the query's pieces)
     step = min(SUB_RUN, PAD_RUN)
     pads = [] if tail else [min(step, pad - a) for a in range(0, pad, step)]
-    e, r = len(applies), len(runs) + len(pads) + (1 if tail else 0)
+    e, r = len(applies), len(runs) + len(pads)
     lens = [p.n for p in runs] + pads
     lmax = _round(max(lens), 8)
-    if tail:
-        lens.append(tail.n)
     kc = sum(p.entry.cached_tokens for p in applies)
-    # the chain in sequence order (storage: entries 0..E-1, runs E..E+R-1), the pad runs last
+    # the chain in sequence order (storage: entries 0..E-1, runs E..E+R-1), the pad runs last; the tail's runs (last
+    # in storage) in no chain
     order, ei, ri = [], 0, 0
     for p in pieces:
         if isinstance(p, Apply):
             order.append(ei)
             ei += 1
         else:
-            order.append(e + ri)
+            if ri < len(runs) - nt:
+                order.append(e + ri)
             ri += 1
     main = len(order)                                # the request's chain; the pad runs: a second one
-    order.extend(range(e + ri, e + r))               # (with a tail: no pad runs; the tail's slot last, unchained)
-    shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax,
-                         factor_width(tail.n) if tail else 0)
+    order.extend(range(e + ri, e + r))               # (with a tail: no pad runs; the tail's slots last, unchained)
+    order.extend(range(e + ri - nt, e + ri))
+    shape = ComposeShape(np_, r, e, _keys_bucket(kc), _keys_bucket(held) if held else 0, lmax, nt)
 
     # host tables in numpy (single-threaded: small torch CPU ops cost a thread-pool wake-up each), handed
     # over as tensors without a copy
     lens_a = np.asarray(lens, dtype=np.int64)
     cu = np.zeros(r + 1, dtype=np.int64)
     np.cumsum(lens_a, out=cu[1:])
-    if tail:        # the tail's and the pads' rows: the tail's run index, row 0, for the correction's gather (a slot
-        run_of = np.full(np_, r - 1, dtype=np.int64)    # of no chained run: their rows are the tail's to write)
-        run_of[: cu[r - 1]] = np.repeat(np.arange(r - 1, dtype=np.int64), lens_a[:-1])
+    if tail:        # the pads' rows (no run's): the last tail run's index, row 0, for the correction's gather (the
+        run_of = np.full(np_, r - 1, dtype=np.int64)    # tail's slots are no chained run's: the tail writes them)
+        run_of[: cu[r]] = np.repeat(np.arange(r, dtype=np.int64), lens_a)
     else:
         run_of = np.repeat(np.arange(r, dtype=np.int64), lens_a)
     pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
     if tail:
-        pos_in_run[cu[r - 1] :] = 0
+        pos_in_run[cu[r] :] = 0
     # conv: the stream of raw inputs as the recurrence sees them (entries by their tails)
     wm1 = max(conv_width - 1, 0)
     tail_rows, row = [], wm1
@@ -597,7 +601,7 @@ class GraphCompose:
             return None
         held = held_keys(self.model, work.state)
         with span("compose.lower"):
-            tail = QUERY_TAIL if self.tail_ok and QUERY_TAIL > SUB_RUN else 0
+            tail = QUERY_TAIL if self.tail_ok else 0
             low = None if held is None else lower(work, ids, positions, self.conv_width, held, tail)
         if low is None:
             return None

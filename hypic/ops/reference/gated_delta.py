@@ -244,24 +244,28 @@ def values_to_state(U: torch.Tensor, fac: torch.Tensor) -> torch.Tensor:
     return fac[..., :w, :].transpose(-1, -2).float() @ U.float()
 
 
-def gated_delta_tail(o, s0, ot, ut, U, fac, cu2) -> torch.Tensor:
-    """The compose pass's query tail (runtime/compose_graph.py QUERY_TAIL): one run summarized from zero as one chunk,
-    continued from the state s0 [HV, K, V] the chain left before it. ot [N, HV, V], ut [N, HV, K]: its outputs from
-    zero and readout on the pass's rows (the tail's rows cu2[0]..cu2[1]-1, cu2 a 2-element tensor); U [1, HV, w, V],
-    fac [1, HV, 2 w + 1, K]: its WY values and factors (`run_values`, `run_factors`). Writes o [N, HV, V] in place:
+def gated_delta_tail(o, u, s0, U, fac, cu) -> torch.Tensor:
+    """The compose pass's query tail (runtime/compose_graph.py QUERY_TAIL): the query's runs (pieces of at most w
+    tokens, summarized from zero with the others) outside the chain, walked from the state s0 [HV, K, V] the chain left
+    before them. o [N, HV, V]: the pass's outputs, on the tail's rows their outputs from zero; u [N, HV, K]: the
+    readout of every row; U [R, HV, w, V], fac [R, HV, 2 w + 1, K]: the tail runs' WY values and factors (`run_values`,
+    `run_factors`); cu [R + 1] (device): their rows, run j at cu[j]..cu[j+1]-1. With x = s0, for each run in turn:
 
-        o_t = ot_t + s0^T ut_t on the tail's rows,    0 on the rows after them (the pads')
+        o_t += x^T u_t on its rows,    then x <- gamma x + Kd^T (U - W x)   (= T x + S)
 
-    and returns the state after the tail, gamma s0 + Kd^T (U - W s0) (= T s0 + S), [HV, K, V] fp32. Device tensors
-    only (no host read: CUDA-graph safe)."""
+    in place in o (each row rounded once), the rows from cu[R] on (the pads') zeroed; returns the state after the last
+    run, [HV, K, V] fp32. Device tensors only (no host read: CUDA-graph safe)."""
     w = U.shape[-2]
-    kd, wf, gamma = fac[0, :, :w].float(), fac[0, :, w : 2 * w].float(), fac[0, :, 2 * w, :1, None].float()
-    s0 = s0.float()
-    final = torch.baddbmm(gamma * s0, kd.transpose(1, 2), U[0].float() - torch.bmm(wf, s0))
-    tail = torch.einsum("nhk,hkv->nhv", ut.float(), s0).add_(ot.float()).to(o.dtype)
+    x = s0.float()
     rows = torch.arange(o.shape[0], device=o.device)[:, None, None]
-    o.copy_(torch.where((rows >= cu2[0]) & (rows < cu2[1]), tail, o).masked_fill_(rows >= cu2[1], 0))
-    return final
+    uf = u.float()
+    for j in range(U.shape[0]):
+        kd, wf, gamma = fac[j, :, :w].float(), fac[j, :, w : 2 * w].float(), fac[j, :, 2 * w, :1, None].float()
+        run = torch.einsum("nhk,hkv->nhv", uf, x).add_(o.float()).to(o.dtype)
+        o.copy_(torch.where((rows >= cu[j]) & (rows < cu[j + 1]), run, o))
+        x = torch.baddbmm(gamma * x, kd.transpose(1, 2), U[j].float() - torch.bmm(wf, x))
+    o.masked_fill_(rows >= cu[U.shape[0]], 0)
+    return x
 
 
 def pair_maps(fac: torch.Tensor, U: torch.Tensor, T_e: torch.Tensor | None = None,
