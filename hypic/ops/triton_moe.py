@@ -161,20 +161,33 @@ def _tile(pid, ti, nprog, NB: tl.constexpr, offs):
 
 
 @triton.jit
-def _gate_up_step(it, acc_g, acc_u, pid, nprog, x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr,
-                  I: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  PREC: tl.constexpr, DESC: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr):
-    """Step `it` of a persistent gate / up program: K step it % KT of its tile it // KT (the first BM rows), the
-    tile's rows written at its last K step and the sums reset."""
+def _step_operands(it, pid, nprog, offs, order, act, s_act, NB: tl.constexpr, KT: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr, KDIM: tl.constexpr, NCOL: tl.constexpr,
+                   BY_TOKEN: tl.constexpr):
+    """What step `it` of a persistent program works on: its tile (expert e, column block nb; the expert's rows r0 ..
+    r1 - 1, the first BM of them), the K offset k0, and the activations' [BK, BM] tile: x's rows by token (BY_TOKEN,
+    gate / up) or h's by sorted row (down); the tile's columns rn and their mask."""
     ti = it // KT
     k0 = (it - ti * KT) * BK
     e, nb, r0, r1 = _tile(pid, ti, nprog, NB, offs)
     rows, mr, a, tok = _rows(order, r0, r1, BM, TOPK)
     rk = tl.arange(0, BK)
-    mk = (k0 + rk) < H
-    xt = tl.load(x + tok[None, :].to(tl.int64) * s_x + (k0 + rk)[:, None], mask=mk[:, None] & mr[None, :], other=0.0)
+    mk = (k0 + rk) < KDIM
+    src = tok if BY_TOKEN else rows
+    at = tl.load(act + src[None, :].to(tl.int64) * s_act + (k0 + rk)[:, None], mask=mk[:, None] & mr[None, :],
+                 other=0.0)
     rn = nb * BN + tl.arange(0, BN)
-    mn = rn < I
+    return e, nb, r0, r1, rows, mr, a, k0, rk, mk, at, rn, rn < NCOL
+
+
+@triton.jit
+def _gate_up_step(it, acc_g, acc_u, pid, nprog, x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr,
+                  I: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  PREC: tl.constexpr, DESC: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr):
+    """Step `it` of a persistent gate / up program: K step it % KT of its tile it // KT (the first BM rows), the
+    tile's rows written at its last K step and the sums reset."""
+    e, nb, r0, r1, rows, mr, a, k0, rk, mk, xt, rn, mn = _step_operands(it, pid, nprog, offs, order, x, s_x, NB, KT,
+                                                                        BM, BN, BK, TOPK, H, I, True)
     if DESC:
         g_row = e * (2 * I) + nb * BN
         g = w.load([g_row, k0])
@@ -234,15 +247,8 @@ def _down_step(it, acc, pid, nprog, h, order, offs, wts, w, ys, s_h, s_we, s_wn,
                I: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                PREC: tl.constexpr, DESC: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr):
     """Step `it` of a persistent down program (as `_gate_up_step`): each row times its routing weight at the end."""
-    ti = it // KT
-    k0 = (it - ti * KT) * BK
-    e, nb, r0, r1 = _tile(pid, ti, nprog, NB, offs)
-    rows, mr, a, tok = _rows(order, r0, r1, BM, TOPK)
-    rk = tl.arange(0, BK)
-    mk = (k0 + rk) < I
-    ht = tl.load(h + rows[None, :].to(tl.int64) * s_h + (k0 + rk)[:, None], mask=mk[:, None] & mr[None, :], other=0.0)
-    rn = nb * BN + tl.arange(0, BN)
-    mn = rn < H
+    e, nb, r0, r1, rows, mr, a, k0, rk, mk, ht, rn, mn = _step_operands(it, pid, nprog, offs, order, h, s_h, NB, KT,
+                                                                        BM, BN, BK, TOPK, I, H, False)
     if DESC:
         d = w.load([e * H + nb * BN, k0])
     else:
