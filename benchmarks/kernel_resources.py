@@ -143,7 +143,14 @@ def other_builds():
         const = dict(H=16, HV=32, K=128, V=128, BK=128, BV=64, BL=16, SQUARINGS=3, L2=True, PREC="tf32x3",
                      FACTORS=fac, NB=4, VALUES=val)
         rows.append(("chunk_summary", f"factors {fac}, values {val}",
-                     kernel_build(tsum._chunk_summary_kernel, summ, const, 4)))
+                     kernel_build(tsum._chunk_summary_kernel, summ, const, 4, divisible={"s_q", "s_k", "s_v"})))
+    # one 64-token chunk (the thirty-first session's query tail, which H200 run 107 measured +1.26 ms)
+    const = dict(H=16, HV=32, K=128, V=128, BK=128, BV=64, BL=64, SQUARINGS=5, L2=True, PREC="tf32x3", FACTORS=True,
+                 NB=4, VALUES=True)
+    for nb, w in ((4, 4), (1, 4), (1, 8)):
+        rows.append(("chunk_summary", f"64 rows, factors and values, {nb} blocks a program, warps {w}",
+                     kernel_build(tsum._chunk_summary_kernel, summ, dict(const, NB=nb), w,
+                                  divisible={"s_q", "s_k", "s_v"})))
     return rows
 
 
