@@ -233,9 +233,9 @@ def chunk_summary(q, k, v, g, beta, cu_seqlens, max_len: int, *, scale=None, use
         final = uval = torch.empty(r, hv, bl, vd, dtype=torch.float32, device=v.device)
     blocks = triton.cdiv(vd + kd, block_v)
     if blocks_per_program is None:
-        # every block of a (run, head) in one program where those programs fill the GPU; fewer runs (a query's
-        # tail alone: 1 x 32 heads, each program then walked 4 blocks of a 64-token chunk one after another, H200
-        # run 107) take a program per block, each making the run's shared part again
+        # every block of a (run, head) in one program where those programs fill the GPU; fewer runs (a small request;
+        # the thirty-first session's query tail, one 64-token run by a call of its own: 32 programs each walking 4
+        # blocks, H200 run 107) take a program per block, each making the run's shared part again
         from .triton_scan import _sm_count
 
         nb = blocks if r * hv >= _sm_count(v.device) else 1
