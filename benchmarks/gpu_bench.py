@@ -400,6 +400,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 # the cached keys ordered by the fill ahead of the pass / the later fills on a side stream (31st
                 # session; no gain in H100 runs 102-103: off)
                 ("order_ahead", flag(_attention, "ORDER_AHEAD", True), {}),
+                # the cached keys and values read in place by the ordering kernel, not packed by the fill (32nd)
+                ("order_from_entries", flag(_attention, "ORDER_FROM_ENTRIES", True), {}),
                 ("fills_beside", flag(_cg, "SIDE_FILL", True), {}),
                 # the runs cut into pieces of 32 or 64 tokens instead of 16 (the 64-token query: 2 or 1 chain steps,
                 # not 4; every run's summary chunk, pair factors and scan correction rows 32 or 64 wide)

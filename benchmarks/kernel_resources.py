@@ -88,7 +88,8 @@ def kernel_build(fn, sig: dict, const: dict, warps: int, stages: int = 1, divisi
 
 def other_builds():
     """The twenty-ninth session's kernels at the 35B warm request's shapes: [(kernel, configuration, build)]."""
-    from hypic.ops import triton_attention as ta, triton_moe as tm, triton_scan as ts, triton_summary as tsum
+    from hypic.ops import triton_attention as ta, triton_moe as tm, triton_place as tp, triton_scan as ts
+    from hypic.ops import triton_summary as tsum
 
     rows = []
     att = dict(q="*bf16", k="*bf16", v="*bf16", qpos="*i64", kpos="*i64", acc_out="*fp32", m_out="*fp32",
@@ -119,6 +120,13 @@ def other_builds():
         rows.append(("tail_epilogue", f"value block {bv}, warps {w}", kernel_build(
             ts._tail_kernel, tail, dict(HV=32, K=128, V=128, WF=16, BV=bv, BT=16, NT=4, PREC="tf32x3"), w,
             divisible={"s_on", "s_oh", "s_un", "s_uh"})))
+    # the compose pass's key ordering (35B: 2 KV heads x 256, RoPE over 64 dims), packed and by address (32nd session)
+    order = dict(keys="*bf16", values="*bf16", kperm="*i64", free="*bf16", cos="*bf16", sin="*bf16", ok="*bf16",
+                 ov="*bf16", M="i32", lo="i32", n_free="i32", cs_stride="i32", etab="*i64", n_ent="i32")
+    for ent in (False, True):
+        rows.append(("order_keys", "entries by address" if ent else "packed", kernel_build(
+            tp._order_kernel, order, dict(W=512, WV=512, D=256, R=64, HALF=32, BW=512, BWV=512, BR=8, PLACE=True,
+                                          ENTRIES=ent, LOGE=5, EW=6), 8)))
     # the routed experts (32nd session): each kernel, a program per tile and persistent, its weights by pointers and by
     # tensor descriptors (TMA), at the 35B shape (H 2,048, I 512, top 8)
     moe = {"gate_up": (dict(x="*bf16", order="*i64", offs="*i32", w="*bf16", h="*bf16", s_x="i32", s_we="i32",

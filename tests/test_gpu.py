@@ -681,6 +681,37 @@ def test_cuda_graph_compose_with_query_tail():
 
 
 @cuda
+def test_cuda_graph_compose_order_from_entries():
+    """ORDER_FROM_ENTRIES (layers/attention.py): the captured pass's ordering kernel reads the cached keys and values
+    in place from the request's segments (an address table a layer) instead of the fill's packed copies; logits and
+    the decode steps after them (the state's cached values taken from the entries) equal the packed form's. fp32, the
+    same kernels on the same values: 1e-5 on the logits."""
+    from hypic import LLM, Prompt, SamplingParams
+    from hypic.layers import attention as attn_mod
+
+    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
+    ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 100 + q)))
+          for o, q in (((0, 1, 2), 41), ((2, 0, 1), 41), ((1, 2, 0), 41), ((2, 1, 0), 37))]
+    sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
+    got = {}
+    saved = attn_mod.ORDER_FROM_ENTRIES
+    for on in (False, True):
+        attn_mod.ORDER_FROM_ENTRIES = on
+        try:
+            llm = LLM("tiny-qwen3.5", device="cuda", dtype="float32", seed=0)
+            got[on] = [llm.generate([p], sp)[0] for p in ps]
+            comp = llm.engine.composer
+            assert comp.captures >= 1 and comp.replays >= 1
+            bufs = next(iter(comp.ready.values()))[0]
+            assert any("entries" in b for b in bufs.layers.values()) == on
+        finally:
+            attn_mod.ORDER_FROM_ENTRIES = saved
+    for a, b in zip(got[False], got[True]):
+        assert a.token_ids == b.token_ids
+        assert rel(b.logits, a.logits) < 1e-5
+
+
+@cuda
 def test_cuda_graph_compose_fills_beside_the_pass():
     """SIDE_FILL (runtime/compose_graph.py) with ORDER_AHEAD (layers/attention.py): on replays in pieces, every fill
     after the first runs on a side stream beside the pieces before it (the cached keys' copies, their placing and
@@ -1097,6 +1128,42 @@ for dt in (torch.float32, torch.bfloat16):
         c = triton_place.order_keys(k2, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=r, out=out)
         assert c[0] is out[0] and c[1] is out[1] and torch.equal(out[0], b[0]) and torch.equal(out[1], b[1])
         assert torch.equal(k2, k1)
+# the cached rows read in place by address (entries: ORDER_FROM_ENTRIES) equal to the packed form on every real row
+for dt in (torch.float32, torch.bfloat16):
+    hkv, d, dv, r, held, lens, nact = 2, 16, 12, 8, 5, [7, 1, 12], 9
+    kc = sum(lens)
+    bucket = kc + 4                                             # unused slots past the count: no entry's
+    n_all = held + bucket + nact
+    ents_k = [torch.randn(n, hkv, d).to(dt) for n in lens]
+    ents_v = [torch.randn(n, hkv, dv).to(dt) for n in lens]
+    keys0, values0 = torch.randn(n_all, hkv, d).to(dt), torch.randn(n_all, hkv, dv).to(dt)
+    free = torch.zeros(bucket, hkv, d).to(dt)
+    free[:kc] = torch.cat(ents_k)
+    packed_v = values0.clone()
+    packed_v[held:held + kc] = torch.cat(ents_v)
+    kperm = torch.randperm(n_all)
+    ang = torch.randint(0, 5000, (bucket, 1)).float() * torch.rand(1, r // 2)
+    cos, sin = torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
+    k1, k2 = keys0.clone(), keys0.clone()
+    a = triton_place.order_keys(k1, packed_v, kperm, free=free, lo=held, cos=cos, sin=sin, rotary_dim=r)
+    table = torch.zeros(len(lens) + 3, 6, dtype=torch.int64)   # (keys, values, first row) per entry, then the count
+    starts = [0, 7, 8]
+    for i, (ek, ev) in enumerate(zip(ents_k, ents_v)):
+        table[i, :3] = torch.tensor([ek.data_ptr(), ev.data_ptr(), starts[i]])
+    table[len(lens), 2] = kc
+    b = triton_place.order_keys(k2, values0, kperm, free=torch.zeros_like(free), lo=held, cos=cos, sin=sin,
+                                rotary_dim=r, entries=(table, len(lens)))
+    real = torch.ones(n_all, dtype=torch.bool)
+    real[held + kc : held + bucket] = False
+    seen = real[kperm]
+    assert torch.equal(a[0][seen], b[0][seen]) and torch.equal(a[1][seen], b[1][seen]), dt
+    assert torch.equal(k1[real], k2[real]), dt                  # the placed keys the request keeps
+    try:
+        ref_order(keys0.clone(), values0, kperm, free=free, lo=held, cos=cos, sin=sin, rotary_dim=r,
+                  entries=(table, len(lens)))
+        raise AssertionError("the reference must refuse reading by address")
+    except ValueError:
+        pass
 for bad in ((torch.empty_like(keys[1:]), torch.empty_like(values)), (keys.new_empty(keys.shape[::-1]).transpose(0, 2),
                                                                      torch.empty_like(values))):
     try:
@@ -1155,6 +1222,16 @@ for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, 
         assert last.lmax == 32 if sub == 32 else last.lmax > 32, last
 lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
 cg.SUB_RUN, cg.QUERY_TAIL = 16, 0
+# the cached keys and values read in place by the ordering kernel (layers/attention.py ORDER_FROM_ENTRIES): not packed
+from hypic.layers import attention as attn_mod
+attn_mod.ORDER_FROM_ENTRIES = True
+llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
+got = [llm.generate([p], sp)[0] for p in ps]
+for a, b in zip(out["eager"], got):
+    assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
+bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
+assert any("entries" in b for b in bufs0.layers.values()) and not fast.FAILED, fast.FAILED
+attn_mod.ORDER_FROM_ENTRIES = False
 # the MoE model's static pass with the experts' weights read by tensor descriptors (triton_moe.TMA_WEIGHTS)
 from hypic.ops import triton_moe
 want = [LLM("tiny-qwen3.5-moe", device="cpu", dtype="float32", compose="eager", seed=0).generate([p], sp)[0]

@@ -28,6 +28,12 @@ EVICT_EVERY = 256          # a sliding-window layer drops the keys it no longer 
 # keys and values into their places. Off: 0.57 ms slower on the warm request than ordering inside the pass (H100 run
 # 102, paired by round; gpu_bench's variant `order_ahead`)
 ORDER_AHEAD = False
+# the compose pass's cached keys and values read in place from the request's cached segments by the ordering kernel
+# (an address table a layer, filled per request) instead of packed into the pass's buffers by the fill first (~134 MB
+# of copies a full-attention layer on the 35B request); the request's state then takes the cached values from the
+# segments after its first token. Off until a GPU has run it (Triton's interpreter only; gpu_bench's variant
+# `order_from_entries`)
+ORDER_FROM_ENTRIES = False
 
 
 class AttentionMixer(nn.Module):
@@ -150,7 +156,21 @@ class AttentionMixer(nn.Module):
                    v=values[p : p + kc], vt=values[p + kc :], k=z(kc, self.key_dim) if self.places_keys() else placed)
         if ORDER_AHEAD:                 # the keys and values in position order (`compose_ahead`)
             buf.update(ok=torch.empty_like(keys), ov=torch.empty_like(values))
+        elif ORDER_FROM_ENTRIES and self._entries_ready(device):
+            # a row of the shape's step table (runtime/compose_graph.py: copied piece by piece) holds the entries'
+            # addresses: (keys, values, first cached row) per entry, then the cached rows' count
+            shared.setdefault("steps", []).append(buf)
+            buf["entries"] = shape.entries
         return buf
+
+    def _entries_ready(self, device) -> bool:
+        """The ordering kernel reads cached keys by address here (ORDER_FROM_ENTRIES): RoPE-placed keys, the fast
+        backend's kernel on a device that runs address tables (compose/scan.py kernel_ready)."""
+        from ..compose.scan import kernel_ready
+        from ..ops.fast import ORDER_KERNEL, triton_kernel
+
+        return (self.places_keys() and getattr(self, "rotary", None) is not None and self.ops.name == "fast"
+                and ORDER_KERNEL and kernel_ready(device) and triton_kernel("order") is not None)
 
     def compose_fill(self, buf: dict, low, L: int, copies: list | None = None) -> None:
         """The keys the request holds (as attended), then its cached segments' position-free keys and
@@ -163,6 +183,9 @@ class AttentionMixer(nn.Module):
             buf["hk"][: low.held] = k
             buf["hv"][: low.held] = v
         parts = [e.layers[L] for e in low.entries]
+        if "entries" in buf:
+            self._fill_entries(buf, parts, low.kc)
+            return
         if copies is not None:
             bl = [p.blocks for p in parts]
             ks = pack_blocks([b[0] for b in bl], buf["k"])
@@ -173,6 +196,28 @@ class AttentionMixer(nn.Module):
                 return
         torch.cat([p.k for p in parts], out=buf["k"][: low.kc])
         torch.cat([p.v for p in parts], out=buf["v"][: low.kc])
+
+    def _fill_entries(self, buf: dict, parts: list, kc: int) -> None:
+        """ORDER_FROM_ENTRIES: the entries' addresses into this layer's table row (keys, values, first cached row;
+        then the count), read in place by the ordering kernel; an entry not addressable so (another layout, dtype or
+        device) is copied into the packed buffers and named there (the captured pass reads addresses either way)."""
+        rows = buf["steps_host"].numpy()
+        e = len(parts)
+        kb, vb = buf["k"], buf["v"]
+        sk, sv = kb.element_size() * kb[0].numel(), vb.element_size() * vb[0].numel()
+        start = 0
+        for i, p in enumerate(parts):
+            bk, bv = p.blocks
+            n = p.k.shape[0]
+            if not (bk and bv and bk[2] == sk and bv[2] == sv and bk[3] is kb.dtype and bv[3] is vb.dtype
+                    and bk[4] == kb.device and bv[4] == vb.device and bk[0] % 16 == 0 and bv[0] % 16 == 0):
+                kb[start : start + n] = p.k
+                vb[start : start + n] = p.v
+                bk, bv = (kb.data_ptr() + start * sk,), (vb.data_ptr() + start * sv,)
+            rows[i, :3] = (bk[0], bv[0], start)
+            start += n
+        rows[e, 2] = kc
+        buf["parts"] = parts
 
     def compose_ahead(self, buf: dict, low, tables) -> None:
         """After the fill (ORDER_AHEAD): the cached keys placed at their positions (into `placed`, which the request
@@ -193,8 +238,22 @@ class AttentionMixer(nn.Module):
             if self.places_keys():                                     # placed some other way than RoPE tables
                 self.place_keys_into(buf["k"], buf["placed"], kpos, batch, "placed")
             return self.ops.order_keys(keys, values, kperm, out=out)
-        return self.ops.order_keys(keys, values, kperm, free=buf["k"], lo=buf["hk"].shape[0], cos=rope[0],
-                                   sin=rope[1], rotary_dim=rope[2], out=out)
+        entries = (buf["steps"], buf["entries"]) if "entries" in buf else None
+        kw = dict(free=buf["k"], lo=buf["hk"].shape[0], cos=rope[0], sin=rope[1], rotary_dim=rope[2], out=out)
+        try:
+            return self.ops.order_keys(keys, values, kperm, entries=entries, **kw)
+        except ValueError:
+            if entries is None:
+                raise
+        # the kernel that reads by address could not run (eager only: a capture fails before): this request's
+        # cached rows packed now, then ordered from there
+        kc = 0
+        for p in buf["parts"]:
+            n = p.k.shape[0]
+            buf["k"][kc : kc + n] = p.k
+            buf["v"][kc : kc + n] = p.v
+            kc += n
+        return self.ops.order_keys(keys, values, kperm, **kw)
 
     def _forward_captured(self, x, batch):
         """Every cached key placed at its position (one RoPE call from the positions table), the active
@@ -238,7 +297,10 @@ class AttentionMixer(nn.Module):
         kv = old if old is not None else self.new_state(keys.device, keys.dtype, capacity)
         kv.ordered = False                                              # placed segments
         kv.reserve(low.kc + n)
-        kv.append(keys[p0 : p0 + low.kc], values[p0 : p0 + low.kc], bufs.kpos[: low.kc])
+        cached_v = values[p0 : p0 + low.kc]
+        if "entries" in bufs.layers[self.layer_idx]:        # (ORDER_FROM_ENTRIES: not packed; from the entries)
+            cached_v = torch.cat([e.layers[self.layer_idx].v for e in low.entries])
+        kv.append(keys[p0 : p0 + low.kc], cached_v, bufs.kpos[: low.kc])
         kv.append(keys[kp : kp + n], values[kp : kp + n], bufs.positions[:n])
         return kv
 

@@ -775,17 +775,21 @@ def _scaled_scores(a, b, scale: float):
 ORDER_KERNEL = True        # False: the compose pass's keys placed and ordered by PyTorch ops (gpu_bench's variant)
 
 
-def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0, out=None):
+def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0, out=None,
+               entries=None):
     """The reference signature (ops/reference/attention.py): where Triton runs, one launch that places the cached
     keys (RoPE) and gathers keys and values into position order (ops/triton_place.py), equal to the reference bit
-    for bit; else the reference's ops (RoPE products and sums, a copy, two gathers)."""
+    for bit; else the reference's ops (RoPE products and sums, a copy, two gathers). entries (the cached rows read
+    by address, layers/attention.py ORDER_FROM_ENTRIES): the kernel alone (the caller packs the rows where it fails)."""
     kern = triton_kernel("order", keys, values) if ORDER_KERNEL and triton_here(keys) else None
     if kern is not None:
         try:
-            return kern(keys, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=rotary_dim, out=out)
+            return kern(keys, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=rotary_dim, out=out,
+                        entries=entries)
         except Exception as e:
             kernel_failed("order", e)
-    return ref.order_keys(keys, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=rotary_dim, out=out)
+    return ref.order_keys(keys, values, kperm, free=free, lo=lo, cos=cos, sin=sin, rotary_dim=rotary_dim, out=out,
+                          entries=entries)
 
 
 def decode_attention(q, k, v, lengths, *, scale: float, allowed=None):

@@ -20,14 +20,16 @@ Imported lazily (ops/fast.py): importing it needs triton, which CPU machines may
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs_stride,
+def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs_stride, etab, n_ent,
                   W: tl.constexpr, WV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
-                  BW: tl.constexpr, BWV: tl.constexpr, BR: tl.constexpr, PLACE: tl.constexpr):
+                  BW: tl.constexpr, BWV: tl.constexpr, BR: tl.constexpr, PLACE: tl.constexpr,
+                  ENTRIES: tl.constexpr = False, LOGE: tl.constexpr = 1, EW: tl.constexpr = 6):
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
     rmask = rows < M
@@ -35,20 +37,43 @@ def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs
     out_row = rows.to(tl.int64)
     cv = tl.arange(0, BWV)
     vm = rmask[:, None] & (cv < WV)[None, :]
-    tl.store(ov + out_row[:, None] * WV + cv[None, :], tl.load(values + src[:, None] * WV + cv[None, :], mask=vm),
-             mask=vm)
     ck = tl.arange(0, BW)
     col_ok = ck < W
+    j = src - lo
+    cached = rmask & (j >= 0) & (j < n_free)
+    if ENTRIES:
+        # the cached rows read in place from their segments' tensors: etab rows (key address, value address, first
+        # cached row) per entry, then (-, -, the cached rows' count); a row's entry by a binary search over the
+        # first rows (a row past the count, an unused slot of the bucket, is no entry's: read as any other row)
+        e_lo = tl.zeros((BR,), dtype=tl.int64)
+        e_hi = tl.full((BR,), 0, tl.int64) + n_ent + 1
+        for _ in tl.static_range(LOGE):
+            mid = (e_lo + e_hi) // 2
+            go = e_hi - e_lo > 1
+            st = tl.load(etab + mid * EW + 2, mask=cached & go, other=0)
+            up = go & (st <= j)
+            e_lo = tl.where(up, mid, e_lo)
+            e_hi = tl.where(go & ~up, mid, e_hi)
+        cached = cached & (e_lo < n_ent)
+        off = j - tl.load(etab + e_lo * EW + 2, mask=cached, other=0)
+        kbase = tl.load(etab + e_lo * EW, mask=cached, other=0).to(tl.pointer_type(free.dtype.element_ty)) + off * W
+        vbase = tl.load(etab + e_lo * EW + 1, mask=cached, other=0).to(tl.pointer_type(values.dtype.element_ty)) \
+            + off * WV
+        vrow = tl.load(vbase[:, None] + cv[None, :], mask=vm & cached[:, None], other=0.0)
+        vrow = tl.where(cached[:, None], vrow,
+                        tl.load(values + src[:, None] * WV + cv[None, :], mask=vm & ~cached[:, None], other=0.0))
+    else:
+        kbase = free + j * W
+        vrow = tl.load(values + src[:, None] * WV + cv[None, :], mask=vm)
+    tl.store(ov + out_row[:, None] * WV + cv[None, :], vrow, mask=vm)
     if PLACE:
-        j = src - lo
-        cached = rmask & (j >= 0) & (j < n_free)
         d = ck % D
         rot = d < R
         partner = (ck // D) * D + tl.where(d < HALF, d + HALF, d - HALF)
         ci = d % HALF
         cm = cached[:, None] & col_ok[None, :]
         rm = cm & rot[None, :]
-        base = free + j[:, None] * W
+        base = kbase[:, None]
         x = tl.load(base + ck[None, :], mask=cm, other=0.0)
         xp = tl.load(base + partner[None, :], mask=rm, other=0.0)
         c = tl.load(cos + j[:, None] * cs_stride + ci[None, :], mask=rm, other=0.0)
@@ -66,9 +91,15 @@ def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs
     tl.store(ok + out_row[:, None] * W + ck[None, :], k_row, mask=rmask[:, None] & col_ok[None, :])
 
 
-def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0, out=None):
+def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0, out=None,
+               entries=None):
     """ops/reference/attention.order_keys in one launch (its docstring has the layout). keys, values, free, cos and
-    sin contiguous in their rows (the compose pass's buffers are); out: contiguous (ok, ov) to write into."""
+    sin contiguous in their rows (the compose pass's buffers are); out: contiguous (ok, ov) to write into.
+    entries (layers/attention.py ORDER_FROM_ENTRIES): (table, E), the cached rows read in place from their segments'
+    tensors instead of from free and from values' cached rows (neither is read then, nor need they be filled):
+    table int64 [>= E + 1, >= 3] (device, rows contiguous), row i < E = (its keys' address, its values' address, its
+    first row among the cached rows), row E's third column = the cached rows' count (rows of free past it are slots of
+    no entry). The cached values are not written to `values` (the request's state takes them from the entries)."""
     n_keys, hkv, d = keys.shape
     w, wv, m = hkv * d, values.shape[1] * values.shape[2], kperm.shape[0]
     if not (keys.is_contiguous() and values.is_contiguous()):
@@ -92,6 +123,10 @@ def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=Non
         if rotary_dim % 2 or rotary_dim > d or (rotary_dim and (cos.stride(1) != 1 or sin.stride() != cos.stride())):
             raise ValueError("order_keys: an even rotary_dim <= head dim and row-contiguous cos, sin tables")
     r = rotary_dim if place else 0
+    table, n_ent = entries if entries is not None else (kperm, 0)
+    if entries is not None and not (place and table.dtype == torch.int64 and table.dim() == 2
+                                    and table.shape[0] > n_ent and table.shape[1] >= 3 and table.stride(1) == 1):
+        raise ValueError("order_keys: entries need free (its shape) and an int64 table [>= E + 1, >= 3]")
     bw, bwv = triton.next_power_of_2(w), triton.next_power_of_2(wv)
     # ~16 elements of a row block per thread and live tensor (the rotation keeps ~8 of them: x, its partner, cos, sin,
     # two rounded products, the result, the row): 4,096-element blocks over 8 warps
@@ -99,7 +134,8 @@ def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=Non
     warps = 8 if br * max(bw, bwv) >= 4096 else 4
     _order_kernel[(triton.cdiv(m, br),)](
         keys, values, kperm, free if place else keys, cos if place and r else keys, sin if place and r else keys,
-        ok, ov, m, lo, free.shape[0] if place else 0, cos.stride(0) if place and r else 0,
-        W=w, WV=wv, D=d, R=r, HALF=max(r // 2, 1), BW=bw, BWV=bwv, BR=br, PLACE=place, num_warps=warps,
+        ok, ov, m, lo, free.shape[0] if place else 0, cos.stride(0) if place and r else 0, table, n_ent,
+        W=w, WV=wv, D=d, R=r, HALF=max(r // 2, 1), BW=bw, BWV=bwv, BR=br, PLACE=place, ENTRIES=entries is not None,
+        LOGE=max(1, (n_ent + 1).bit_length()), EW=table.stride(0) if entries is not None else 6, num_warps=warps,
         enable_fp_fusion=False)
     return ok, ov

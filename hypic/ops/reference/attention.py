@@ -54,7 +54,8 @@ def decode_attention(q, k, v, lengths, *, scale: float, allowed=None):
     return torch.cat(out)
 
 
-def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0, out=None):
+def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0, out=None,
+               entries=None):
     """The compose pass's keys and values in position order (the attention's operands), with a cached run of keys
     placed first.
 
@@ -67,7 +68,11 @@ def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=Non
     sums in the roundings of `layers/rope.Rotary.apply_into` (x1 c - x2 s and x2 c + x1 s, each product
     rounded to the dtype first).
     out (optional): (ok, ov) of keys' and values' shapes and dtypes to write them into (fixed buffers).
+    entries: the fast backend's form that reads the cached rows in place by address (ops/triton_place.py); here the
+    packed rows are the form, so it is refused.
     Returns (keys[kperm], values[kperm])."""
+    if entries is not None:
+        raise ValueError("order_keys: the reference reads the cached keys packed (free), not by address")
     if free is not None:
         rope_into(free, cos, sin, keys[lo : lo + free.shape[0]], rotary_dim)
     if out is None:
