@@ -579,21 +579,29 @@ def test_engine_bf16_cuda_matches_cpu_reference(preset):
         assert rel(gpu.next_token_logits(p), ref32) <= 2 * max(yard, 1e-3)
 
 
+def _compose_prompts(queries, orders=((0, 1, 2), (2, 0, 1), (1, 2, 0), (2, 1, 0))):
+    """The CUDA compose tests' requests: three segments after a 3-token prefix, in the given orders (one per query
+    length in `queries`), the query's tokens 100, 101, ..."""
+    from hypic import Prompt
+
+    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
+    return [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 100 + q)))
+            for o, q in zip(orders, queries)]
+
+
 @cuda
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-kimi-linear"])
 def test_cuda_graph_compose_matches_eager_buffers(preset):
     """The captured compose pass replays the same kernels as the fixed buffers run eagerly; warm
     requests of one shape replay one graph. Kimi-Linear: KDA's runs summarized by fla's fused recurrent KDA kernel
     on [v | 0] from [0 | I] (device lengths) inside the graph, the chain by the dense scan."""
-    from hypic import LLM, Prompt, SamplingParams
+    from hypic import LLM, SamplingParams
     from hypic.runtime.compose_graph import GraphCompose
 
     llm = LLM(preset, device="cuda", dtype="bfloat16", seed=0)
     eng = llm.engine
     assert isinstance(eng.composer, GraphCompose) and eng.composer.graphs
-    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
-    ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 110)))
-          for o in ((0, 1, 2), (2, 0, 1), (1, 2, 0))]
+    ps = _compose_prompts((10, 10, 10))
     sp = SamplingParams(max_tokens=6, return_logits=True, ignore_eos=True)
     graph = [llm.generate([p], sp)[0] for p in ps]
     assert eng.composer.captures == 1 and eng.composer.replays == 2     # the shape's first request: planned
@@ -622,13 +630,11 @@ def test_cuda_graph_compose_with_low_rank_pairs():
     captured graph, against the captured pass with dense runs (the default). fp32: the two differ by the order of
     fp32-level (tf32x3) products only, ~1e-6 relative on the states; 1e-4 on the logits leaves room for the layers
     after them."""
-    from hypic import LLM, Prompt, SamplingParams
+    from hypic import LLM, SamplingParams
     from hypic.layers import linear as lin
     from hypic.runtime.compose_graph import GraphCompose
 
-    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
-    ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 110)))
-          for o in ((0, 1, 2), (2, 0, 1), (1, 2, 0))]
+    ps = _compose_prompts((10, 10, 10))
     sp = SamplingParams(max_tokens=1, return_logits=True, ignore_eos=True)   # the compose pass's token only (no
     got = {}                                                                  # decode kernels to build: a short call)
     saved = lin.LOWRANK_PAIRS
@@ -656,12 +662,10 @@ def test_cuda_graph_compose_with_query_tail():
     (QUERY_TAIL 0). fp32: the two
     differ by the order of fp32-level products only (~1e-6 relative on the states), so 1e-4 on the logits as in the
     pairs' test; the decode steps after them run from the tail's final state."""
-    from hypic import LLM, Prompt, SamplingParams
+    from hypic import LLM, SamplingParams
     from hypic.runtime import compose_graph as cg
 
-    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
-    ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 100 + q)))
-          for o, q in (((0, 1, 2), 41), ((2, 0, 1), 41), ((1, 2, 0), 41), ((2, 1, 0), 37))]
+    ps = _compose_prompts((41, 41, 41, 37))
     sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
     got = {}
     saved = cg.QUERY_TAIL
@@ -686,12 +690,10 @@ def test_cuda_graph_compose_order_from_entries():
     in place from the request's segments (an address table a layer) instead of the fill's packed copies; logits and
     the decode steps after them (the state's cached values taken from the entries) equal the packed form's. fp32, the
     same kernels on the same values: 1e-5 on the logits."""
-    from hypic import LLM, Prompt, SamplingParams
+    from hypic import LLM, SamplingParams
     from hypic.layers import attention as attn_mod
 
-    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
-    ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 100 + q)))
-          for o, q in (((0, 1, 2), 41), ((2, 0, 1), 41), ((1, 2, 0), 41), ((2, 1, 0), 37))]
+    ps = _compose_prompts((41, 41, 41, 37))
     sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
     got = {}
     saved = attn_mod.ORDER_FROM_ENTRIES
