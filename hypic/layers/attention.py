@@ -36,6 +36,13 @@ ORDER_AHEAD = False
 ORDER_FROM_ENTRIES = False
 
 
+def _pack(buf: dict, parts: list) -> None:
+    """The request's cached segments' position-free keys and values packed in order into the pass's buffers k, v."""
+    kc = sum(p.k.shape[0] for p in parts)
+    torch.cat([p.k for p in parts], out=buf["k"][:kc])
+    torch.cat([p.v for p in parts], out=buf["v"][:kc])
+
+
 class AttentionMixer(nn.Module):
     num_kv_heads: int
     key_dim: int
@@ -194,8 +201,7 @@ class AttentionMixer(nn.Module):
                 copies.extend(ks)
                 copies.extend(vs)
                 return
-        torch.cat([p.k for p in parts], out=buf["k"][: low.kc])
-        torch.cat([p.v for p in parts], out=buf["v"][: low.kc])
+        _pack(buf, parts)
 
     def _fill_entries(self, buf: dict, parts: list, kc: int) -> None:
         """ORDER_FROM_ENTRIES: the entries' addresses into this layer's table row (keys, values, first cached row;
@@ -247,12 +253,7 @@ class AttentionMixer(nn.Module):
                 raise
         # the kernel that reads by address could not run (eager only: a capture fails before): this request's
         # cached rows packed now, then ordered from there
-        kc = 0
-        for p in buf["parts"]:
-            n = p.k.shape[0]
-            buf["k"][kc : kc + n] = p.k
-            buf["v"][kc : kc + n] = p.v
-            kc += n
+        _pack(buf, buf["parts"])
         return self.ops.order_keys(keys, values, kperm, **kw)
 
     def _forward_captured(self, x, batch):

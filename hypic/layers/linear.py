@@ -326,7 +326,7 @@ class LinearMixer(nn.Module):
         o0, u, *maps = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu, True, readout=True, short=True,
                                    init_augmented=True, max_len=sh.lmax, factors=factored, values=paired)
         if o0.shape[0] < sh.tokens:       # (the reference gives the rows its runs cover, here the first ones; eager)
-            o0, u = (_rows_at(t, 0, sh.tokens) for t in (o0, u))
+            o0, u = (_rows_at(t, sh.tokens) for t in (o0, u))
         # the chain: entries' (T, S) from their slots, the runs' maps read where the kernel wrote them
         runs, factors = maps[0].float().contiguous(), (maps[1] if factored else None)
         final, cu_maps = None, c.cu_maps
@@ -774,11 +774,11 @@ class LinearMixer(nn.Module):
         return out
 
 
-def _rows_at(t, start: int, total: int):
-    """Rows a kernel gave packed (the reference's varlen outputs: the rows its runs cover, from `start` on) at their
-    places among `total` rows, the others zero (eager: the compose pass's reference path)."""
+def _rows_at(t, total: int):
+    """Rows a kernel gave packed (the reference's varlen outputs: the rows its runs cover, the first ones) among
+    `total` rows, the others zero (eager: the compose pass's reference path)."""
     out = t.new_zeros((total,) + tuple(t.shape[1:]))
-    out[start : start + t.shape[0]] = t
+    out[: t.shape[0]] = t
     return out
 
 

@@ -59,7 +59,7 @@ def _expert_rows(offs, e):
     """Expert e's rows r0 .. r1 - 1 of the sorted layout (offs: inclusive cumulative counts)."""
     r1 = tl.load(offs + e)
     r0 = tl.load(offs + e - 1, mask=e > 0, other=0)
-    return e, r0, r1
+    return r0, r1
 
 
 @triton.jit
@@ -130,7 +130,8 @@ def _down_rows(h, order, wts, w, ys, e, nb, m0, r1, s_h, s_we, s_wn, s_y, H: tl.
 def _gate_up_kernel(x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr, I: tl.constexpr,
                     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                     PREC: tl.constexpr, DESC: tl.constexpr = False):
-    e, r0, r1 = _expert_rows(offs, tl.program_id(0))
+    e = tl.program_id(0)
+    r0, r1 = _expert_rows(offs, e)
     m0 = r0
     while m0 < r1:
         _gate_up_rows(x, order, w, h, e, tl.program_id(1), m0, r1, s_x, s_we, s_wn, s_h, H, I, TOPK, BM, BN, BK,
@@ -142,7 +143,8 @@ def _gate_up_kernel(x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr,
 def _down_kernel(h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H: tl.constexpr, I: tl.constexpr,
                  TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                  PREC: tl.constexpr, DESC: tl.constexpr = False):
-    e, r0, r1 = _expert_rows(offs, tl.program_id(0))
+    e = tl.program_id(0)
+    r0, r1 = _expert_rows(offs, e)
     m0 = r0
     while m0 < r1:
         _down_rows(h, order, wts, w, ys, e, tl.program_id(1), m0, r1, s_h, s_we, s_wn, s_y, H, I, TOPK, BM, BN, BK,
@@ -156,7 +158,7 @@ def _tile(pid, ti, nprog, NB: tl.constexpr, offs):
     order) and the expert's rows r0 .. r1 - 1."""
     t = pid + ti * nprog
     e = t // NB
-    r0, r1 = _expert_rows(offs, e)[1:]
+    r0, r1 = _expert_rows(offs, e)
     return e, t - e * NB, r0, r1
 
 

@@ -171,14 +171,12 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     lens_a = np.asarray(lens, dtype=np.int64)
     cu = np.zeros(r + 1, dtype=np.int64)
     np.cumsum(lens_a, out=cu[1:])
-    if tail:        # the pads' rows (no run's): the last tail run's index, row 0, for the correction's gather (the
-        run_of = np.full(np_, r - 1, dtype=np.int64)    # tail's slots are no chained run's: the tail writes them)
-        run_of[: cu[r]] = np.repeat(np.arange(r, dtype=np.int64), lens_a)
-    else:
-        run_of = np.repeat(np.arange(r, dtype=np.int64), lens_a)
+    # rows past the runs' (the pads', with a tail): the last run's index, row 0, for the correction's gather (the
+    # tail's slots are no chained run's: the tail writes them); without a tail the pad runs cover every row
+    run_of = np.full(np_, r - 1, dtype=np.int64)
+    run_of[: cu[r]] = np.repeat(np.arange(r, dtype=np.int64), lens_a)
     pos_in_run = np.arange(np_, dtype=np.int64) - cu[:-1][run_of]
-    if tail:
-        pos_in_run[cu[r] :] = 0
+    pos_in_run[cu[r] :] = 0
     # conv: the stream of raw inputs as the recurrence sees them (entries by their tails)
     wm1 = max(conv_width - 1, 0)
     tail_rows, row = [], wm1
