@@ -497,3 +497,84 @@ def test_query_tail_on_and_off_equal_planned_walk(hf_checkpoints, arch, monkeypa
             torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
         tails = {s.tail for s in llm.engine.composer.ready}
         assert (tails == {0}) if tail == 0 or arch == "kimi_linear" else (3 in tails), tails       # 41 tokens: 3 runs
+
+
+def test_kept_layout_equals_a_fresh_lowering():
+    """Two requests of one layout (the same segment lengths in another order, other segments and token ids): their
+    `layout_key`s are equal, and the first's kept layout with the second's state, entries and ids (`again`) is the
+    second's own lowering, table for table; a key changes with a cached length, a tail's length, a run's extent or a
+    position, and there is none where keys are held (their positions) or a run summarizes."""
+    from hypic.runtime.batch import BatchBuilder
+    from hypic.runtime.compose_graph import layout_key
+    from hypic.runtime.state import SeqState
+
+    class E:
+        def __init__(self, n, tail):
+            self.cached_tokens, self.tail_len, self.layers = n, tail, {}
+
+    def work(entries, run_ids, flags=None):
+        b = BatchBuilder("cpu")
+        items = []
+        for i, (e, ids) in enumerate(zip(entries, run_ids)):
+            items.append(("run", ids, flags or {}) if i == 0 else ("run", ids))
+            items.append(("apply", e))
+        items.append(("run", run_ids[-1]))
+        return b.add(SeqState(), items), b.ids, b.pos
+
+    ea, eb, ec = E(12, 3), E(12, 3), E(12, 3)
+    w1, ids1, pos1 = work([ea, eb, ec], [[1, 2], [3, 4], [5, 6], list(range(7, 27))])
+    w2, ids2, pos2 = work([ec, ea, eb], [[31, 32], [33, 34], [35, 36], list(range(37, 57))])
+    for tail_max in (0, 64):
+        k1, k2 = (layout_key(w, p, 4, 0, tail_max) for w, p in ((w1, pos1), (w2, pos2)))
+        assert k1 == k2 and hash(k1) == hash(k2)
+        first = lower(w1, ids1, pos1, 4, 0, tail_max)
+        first.memo["x"] = 1
+        again = first.kept(k1).again(w2, ids2)
+        fresh = lower(w2, ids2, pos2, 4, 0, tail_max)
+        assert again.shape == fresh.shape and again.tables.keys() == fresh.tables.keys()
+        for name, t in fresh.tables.items():
+            assert torch.equal(again.tables[name], t), name
+        assert torch.equal(again.kmask, fresh.kmask) and again.tail_rows == fresh.tail_rows
+        assert (again.n, again.kc, again.held) == (fresh.n, fresh.kc, fresh.held)
+        assert all(a is b for a, b in zip(again.entries, fresh.entries)) and len(again.entries) == 3
+        assert again.state is w2.state and again.key is k1 and again.memo is first.memo
+        assert not torch.equal(again.tables["ids"], first.tables["ids"])
+    base = layout_key(w1, pos1, 4, 0, 0)
+    for other in (work([ea, E(13, 3), ec], [[1, 2], [3, 4], [5, 6], list(range(7, 27))]),   # a cached length
+                  work([ea, E(12, 1), ec], [[1, 2], [3, 4], [5, 6], list(range(7, 27))]),   # a conv tail's
+                  work([ea, eb, ec], [[1, 2, 3], [4], [5, 6], list(range(7, 27))])):        # where a run ends
+        assert layout_key(other[0], other[2], 4, 0, 0) != base
+    assert layout_key(w1, [p + 1 for p in pos1], 4, 0, 0) != base                 # positions
+    assert layout_key(w1, pos1, 4, 0, 64) != base and layout_key(w1, pos1, 3, 0, 0) != base
+    assert layout_key(w1, pos1, 4, 5, 0) is None                                  # held keys
+    ws = work([ea, eb, ec], [[1, 2], [3, 4], [5, 6], list(range(7, 27))], {"summarize": True})
+    assert layout_key(ws[0], ws[2], 4, 0, 0) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
+def test_requests_of_one_layout_reuse_it(hf_checkpoints, arch, monkeypatch):
+    """Warm requests of one layout (equal segment lengths in new orders, new queries of one length) take the kept
+    layout (`GraphCompose.layouts`), and where the buffers loaded it last only the token ids are copied in: each
+    gives the planned walk's tokens and logits, and the same as with no layouts kept (LAYOUTS 0), bit for bit."""
+    from hypic.runtime import compose_graph as cg
+
+    path = hf_checkpoints[arch][1]
+    segs = [rand_ids(24, 800 + i) for i in range(4)]
+    orders = ([0, 1, 2, 3], [2, 0, 3, 1], [3, 2, 1, 0], [1, 3, 0, 2])
+    prompts = [Prompt(segments=[segs[i] for i in o], query=rand_ids(7, 810 + j)) for j, o in enumerate(orders)]
+    prompts.insert(3, Prompt(segments=segs[:3], query=rand_ids(7, 820)))     # another layout between them
+    ref = _one_by_one(LLM(str(path), seam=4, compose="eager"), prompts, n=3)
+    got = {}
+    for kept in (0, cg.LAYOUTS):
+        monkeypatch.setattr(cg, "LAYOUTS", kept)
+        llm = LLM(str(path), seam=4, compose="static")
+        got[kept] = _one_by_one(llm, prompts, n=3)
+        comp = llm.engine.composer
+        for a, b in zip(ref, got[kept]):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+        # every request composed (the first after its segments' cold prefill); the three after the first of the
+        # four-segment layout reuse it, the one between them of three segments is kept beside it
+        assert comp.runs == 5 and comp.layout_hits == (3 if kept else 0) and len(comp.layouts) == (2 if kept else 0)
+    for a, b in zip(got[0], got[cg.LAYOUTS]):
+        assert torch.equal(a.logits, b.logits)

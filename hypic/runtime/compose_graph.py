@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -61,6 +61,10 @@ SUB_RUN = 16            # the pieces a run is cut into (one map more in the chai
 PAD_RUN = 16            # the pad tokens' runs (their length only has to stay within the longest real run's chunk)
 MAX_TOKENS = 2048       # most active tokens
 _NEVER = 1 << 62        # the mask position of a key no query may see
+# lowered layouts kept for requests of the same layout (`layout_key`: segment lengths, positions, cut): such a request
+# takes the tables but its token ids from the kept one instead of lowering again (~0.5-0.7 ms of host time before the
+# GPU starts on the 35B request), and where its buffers last loaded that layout only the ids are copied in
+LAYOUTS = 16
 # the fill's packing in one launch per graph piece (ops/triton_copy.py) where Triton runs; False: torch.cat per layer.
 # Off: with the fill staged per piece, only the first piece's fill delays the GPU, and torch.cat was 0.2-0.3 ms
 # faster end to end in both interleaved runs (H200 runs 34, 35); kept as gpu_bench's variant `fill_by_address`
@@ -118,6 +122,43 @@ class Lowered:
     kmask: torch.Tensor         # the mask position of every key (host only: kperm and qlast are made from it)
     pairs: tuple                # `pair_runs` of the chain: (steps kept, the entry after each run or -1)
     memo: dict = field(default_factory=dict)   # what the layers of one kind derive alike from the tables
+    key: tuple | None = None    # the layout's `layout_key` where it was kept for reuse (`GraphCompose.layouts`)
+
+    def kept(self, key: tuple) -> "Lowered":
+        """This layout without the request's own parts (its state, entries, token ids), to be reused."""
+        tables = dict(self.tables)
+        tables["ids"] = None
+        return replace(self, state=None, entries=[], tables=tables, key=key)
+
+    def again(self, work: SeqWork, ids: list[int]) -> "Lowered":
+        """A kept layout (`kept`) as the tables of another request of the same layout: its state, entries and
+        token ids; every other table and the memo shared (read only)."""
+        tok_ids = np.zeros(self.shape.tokens, dtype=np.int64)
+        tok_ids[: self.n] = ids[work.start : work.end]
+        tables = dict(self.tables)
+        tables["ids"] = torch.from_numpy(tok_ids)
+        return replace(self, state=work.state, entries=[p.entry for p in work.pieces if isinstance(p, Apply)],
+                       tables=tables)
+
+
+def layout_key(work: SeqWork, positions: list[int], conv_width: int, held: int, tail_max: int) -> tuple | None:
+    """Everything `lower` reads of a request but its token ids and state, as a hashable key: two requests with
+    equal keys lower to the same tables but `ids` (the same segment lengths in any order, say, at fixed-size
+    chunking). None where the lowering reads more (keys held before the pass: their positions) or would decline
+    (a run that summarizes or marks)."""
+    if held:
+        return None
+    wm1 = max(conv_width - 1, 0)
+    key = [work.start, work.end, conv_width, tail_max]
+    for p in work.pieces:
+        if isinstance(p, Run):
+            if p.summarize or p.mark:
+                return None
+            key.append((p.start, p.end))
+        else:
+            key.append((p.position, p.entry.cached_tokens, _tail_len(p.entry, wm1)))
+    key.append(tuple(positions[work.start : work.end]))
+    return tuple(key)
 
 
 def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, held: int,
@@ -384,6 +425,7 @@ class ComposeBuffers:
                 a += k
             self._groups.append((dev, host, host.numpy()))
         self._copied = None              # an event after the last copy from the pinned host buffers (CUDA)
+        self._layout = None              # the layout key whose tables the device buffers hold (None: not a kept one)
         # the chain step tables of the layers whose scan reads maps in place: one host and one device tensor,
         # a row per layer, filled by each layer's compose_fill and copied piece by piece; each layer's E + R steps,
         # then R rows for its runs' pairs (the low-rank pairs' table, where a layer pairs: layers/linear.py)
@@ -423,13 +465,22 @@ class ComposeBuffers:
         with span("compose.load_tables"):
             if self._copied is not None:     # the host buffers are rewritten only once the last request's copies ran
                 self._copied.synchronize()   # (long done: its first token was read back since)
+            # a kept layout these buffers loaded last (the same key object): its tables are in place but the ids
+            same = low.key is not None and low.key is self._layout
             for name, t in low.tables.items():
+                if same and name != "ids":
+                    continue
                 g, a, b = self._slots[name]
                 if t.numel() != b - a:
                     raise ValueError(f"table {name}: {t.numel()} values for a buffer of {b - a}")
                 self._groups[g][2][a:b] = t.numpy().reshape(-1)
-            for dev, host, _ in self._groups:
-                dev.copy_(host, non_blocking=True)
+                if same:
+                    dev, host, _ = self._groups[g]
+                    dev[a:b].copy_(host[a:b], non_blocking=True)
+            if not same:
+                for dev, host, _ in self._groups:
+                    dev.copy_(host, non_blocking=True)
+            self._layout = low.key
             self._mark_copied()
             self.copy_tables = []
             self.scratch.clear()
@@ -498,6 +549,8 @@ class GraphCompose:
         self.capture_error: str | None = None
         self.pending = None                          # (work, outputs, buffers, lowered) whose states are not made yet
         self._side = None                            # the later pieces' fill stream (SIDE_FILL; made on first use)
+        self.layouts: OrderedDict = OrderedDict()    # layout_key -> Lowered.kept (LAYOUTS most recent)
+        self.layout_hits = 0
 
     def clear(self) -> None:
         """Drop every shape's buffers and graph (they hold copies of cached entries' tensors)."""
@@ -589,6 +642,24 @@ class GraphCompose:
 
         return fill
 
+    def _lower(self, work: SeqWork, ids: list[int], positions: list[int], held: int) -> Lowered | None:
+        """`lower`, or a kept layout of the same key (`layout_key`) with this request's state, entries and ids."""
+        tail = QUERY_TAIL if self.tail_ok else 0
+        key = layout_key(work, positions, self.conv_width, held, tail) if LAYOUTS else None
+        hit = self.layouts.get(key) if key is not None else None
+        if hit is not None:
+            self.layouts.move_to_end(key)
+            self.layout_hits += 1
+            return hit.again(work, ids)
+        low = lower(work, ids, positions, self.conv_width, held, tail)
+        if low is not None and key is not None:
+            kept = low.kept(key)
+            low.key = key
+            self.layouts[key] = kept
+            while len(self.layouts) > LAYOUTS:
+                self.layouts.popitem(last=False)
+        return low
+
     @torch.inference_mode()
     def forward(self, work: SeqWork, ids: list[int], positions: list[int], exact: bool,
                 defer: bool = False) -> torch.Tensor | None:
@@ -599,8 +670,7 @@ class GraphCompose:
             return None
         held = held_keys(self.model, work.state)
         with span("compose.lower"):
-            tail = QUERY_TAIL if self.tail_ok else 0
-            low = None if held is None else lower(work, ids, positions, self.conv_width, held, tail)
+            low = None if held is None else self._lower(work, ids, positions, held)
         if low is None:
             return None
         if self.graphs and low.shape not in self.ready:
