@@ -403,6 +403,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 # the cached keys and values read in place by the ordering kernel, not packed by the fill (32nd)
                 ("order_from_entries", flag(_attention, "ORDER_FROM_ENTRIES", True), {}),
                 ("fills_beside", flag(_cg, "SIDE_FILL", True), {}),
+                # every request lowered afresh, no layout kept for the next of the same layout (before the 33rd)
+                ("layouts_off", flag(_cg, "LAYOUTS", 0), {}),
                 # the runs cut into pieces of 32 or 64 tokens instead of 16 (the 64-token query: 2 or 1 chain steps,
                 # not 4; every run's summary chunk, pair factors and scan correction rows 32 or 64 wide)
                 # the query's pieces outside the chain, walked by one launch a layer (32nd session; the 31st's form,
