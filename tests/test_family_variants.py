@@ -209,7 +209,17 @@ def test_falcon_entry_holds_both_mixers_of_a_layer(tmp_path):
     model = hf_model("falcon_h1", seed=2)
     llm = _engine(model, tmp_path, cache_mode="pic", seam=8)
     n = len(llm.engine.model.model.layers)
-    assert sorted(llm.engine.model.mixers) == list(range(2 * n))
+    model_ = llm.engine.model
+    assert sorted(model_.mixers) == list(range(2 * n))
+    # made once per list of layers, read only; another list of layers (fewer here) is walked again
+    assert model_.mixers is model_.mixers
+    with pytest.raises(TypeError):
+        model_.mixers[0] = None
+    layers = model_.model.layers
+    model_.model.layers = torch.nn.ModuleList(list(layers)[:2])
+    assert sorted(model_.mixers) == [0, 1, n, n + 1]
+    model_.model.layers = layers
+    assert sorted(model_.mixers) == list(range(2 * n))
     seg = rand_ids(60, 4)
     llm.next_token_logits(Prompt(prefix=rand_ids(5, 1), segments=[seg], query=rand_ids(4, 2)))
     (entry,) = list(llm.engine.segments.values())

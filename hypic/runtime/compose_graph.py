@@ -668,8 +668,8 @@ class GraphCompose:
         self.settle()                          # an earlier request's, before its buffers are reused
         if not (self.supported and exact):
             return None
-        held = held_keys(self.model, work.state)
         with span("compose.lower"):
+            held = held_keys(self.model, work.state)
             low = None if held is None else self._lower(work, ids, positions, held)
         if low is None:
             return None
