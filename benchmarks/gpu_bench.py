@@ -437,9 +437,10 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                       {}),
                      ("attention_unbalanced", flag(_ta, "BALANCE", False), {}),
                      ("attention_vsplit_2", flag(_ta, "VSPLIT", 2), {})]
-    # the graph in one piece (the whole fill, then one launch, as before run 34); a short first piece
+    # the graph in one piece (the whole fill, then one launch, as before run 34); equal pieces (0: before the 33rd
+    # session) or a one-layer first piece
     variants += [(f"graph_in_{p}_pieces", nop, {"pieces": p}) for p in (1,) if p != comp.pieces]
-    variants += [(f"first_piece_{f}_layers", nop, {"first": f}) for f in (1,) if f != comp.first_piece]
+    variants += [(f"first_piece_{f}_layers", nop, {"first": f}) for f in (0, 1) if f != comp.first_piece]
     if args.all_variants:           # decided in runs 19-37 (docs/benchmarks.md)
         variants += [("correction_after_scan", flag(_linear, "FUSE_CORRECTION", False), {}),
                      ("fill_by_address", flag(_cg, "COPY_BY_ADDRESS", True), {})]

@@ -1369,8 +1369,10 @@ class EngineConfig:
                                        # each piece's buffers filled just before its launch (the GPU starts on
                                        # the first while the host fills and launches the rest); H200 runs 34-35,
                                        # paired per round against 4 pieces: 1 piece +2.1 ms, 2 +0.7, 8 -0.3
-    compose_first_piece: int = 0       # layers in the first of those pieces (0: equal pieces); a short first piece
-                                       # lets the GPU start after a shorter fill and launch (not measured yet)
+    compose_first_piece: int = 1       # layers in the first of those pieces (0: equal pieces); a short first piece
+                                       # lets the GPU start after a shorter fill and launch: H200 runs 37, 38, 40,
+                                       # 41, 47, 49, paired per round against equal pieces, -0.33, -0.31, -0.49,
+                                       # -0.25, -0.03, -0.48 ms: a gain in all six (on since the 33rd session)
     parallel: ParallelConfig = ParallelConfig()   # segment-parallel cold prefill (off: one rank)
     prefill_chunk_tokens: int = 65536  # the cold segments of a prefill run in isolated-prefill forwards of at most this
                                        # many tokens each; a longer segment runs alone, in parts of this size joined by
