@@ -589,6 +589,28 @@ def _compose_prompts(queries, orders=((0, 1, 2), (2, 0, 1), (1, 2, 0), (2, 1, 0)
             for o, q in zip(orders, queries)]
 
 
+def _with_flags(flags, values, prompts, max_tokens, **llm_kw):
+    """The prompts through a fresh engine per value, each module flag in `flags` ((module, name) pairs) set to that
+    value meanwhile and restored after: value -> (outputs, the LLM). tiny-qwen3.5 on CUDA in fp32 unless llm_kw
+    says otherwise."""
+    from hypic import LLM, SamplingParams
+
+    kw = dict(device="cuda", dtype="float32", seed=0) | llm_kw
+    sp = SamplingParams(max_tokens=max_tokens, return_logits=True, ignore_eos=True)
+    got = {}
+    saved = [getattr(mod, name) for mod, name in flags]
+    for value in values:
+        for mod, name in flags:
+            setattr(mod, name, value)
+        try:
+            llm = LLM("tiny-qwen3.5", **kw)
+            got[value] = ([llm.generate([p], sp)[0] for p in prompts], llm)
+        finally:
+            for (mod, name), v in zip(flags, saved):
+                setattr(mod, name, v)
+    return got
+
+
 @cuda
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-kimi-linear"])
 def test_cuda_graph_compose_matches_eager_buffers(preset):
@@ -630,26 +652,17 @@ def test_cuda_graph_compose_with_low_rank_pairs():
     captured graph, against the captured pass with dense runs (the default). fp32: the two differ by the order of
     fp32-level (tf32x3) products only, ~1e-6 relative on the states; 1e-4 on the logits leaves room for the layers
     after them."""
-    from hypic import LLM, SamplingParams
     from hypic.layers import linear as lin
     from hypic.runtime.compose_graph import GraphCompose
 
-    ps = _compose_prompts((10, 10, 10))
-    sp = SamplingParams(max_tokens=1, return_logits=True, ignore_eos=True)   # the compose pass's token only (no
-    got = {}                                                                  # decode kernels to build: a short call)
-    saved = lin.LOWRANK_PAIRS
-    for paired in (False, True):
-        lin.LOWRANK_PAIRS = paired
-        try:
-            llm = LLM("tiny-qwen3.5", device="cuda", dtype="float32", seed=0)
-            got[paired] = [llm.generate([p], sp)[0] for p in ps]
-            comp = llm.engine.composer
-            assert isinstance(comp, GraphCompose) and comp.captures == 1 and comp.replays == 2
-            lay0 = next(iter(comp.ready.values()))[0].layers[0]
-            assert ("pair_maps" in lay0) == paired
-        finally:
-            lin.LOWRANK_PAIRS = saved
-    for a, b in zip(got[False][1:], got[True][1:]):
+    # max_tokens 1: the compose pass's token only (no decode kernels to build: a short call)
+    got = _with_flags([(lin, "LOWRANK_PAIRS")], (False, True), _compose_prompts((10, 10, 10)), 1)
+    for paired, (_, llm) in got.items():
+        comp = llm.engine.composer
+        assert isinstance(comp, GraphCompose) and comp.captures == 1 and comp.replays == 2
+        lay0 = next(iter(comp.ready.values()))[0].layers[0]
+        assert ("pair_maps" in lay0) == paired
+    for a, b in zip(got[False][0][1:], got[True][0][1:]):
         assert a.token_ids == b.token_ids
         assert rel(b.logits, a.logits) < 1e-4
 
@@ -662,24 +675,14 @@ def test_cuda_graph_compose_with_query_tail():
     (QUERY_TAIL 0). fp32: the two
     differ by the order of fp32-level products only (~1e-6 relative on the states), so 1e-4 on the logits as in the
     pairs' test; the decode steps after them run from the tail's final state."""
-    from hypic import LLM, SamplingParams
     from hypic.runtime import compose_graph as cg
 
-    ps = _compose_prompts((41, 41, 41, 37))
-    sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
-    got = {}
-    saved = cg.QUERY_TAIL
-    for tail in (0, 64):
-        cg.QUERY_TAIL = tail
-        try:
-            llm = LLM("tiny-qwen3.5", device="cuda", dtype="float32", seed=0)
-            got[tail] = [llm.generate([p], sp)[0] for p in ps]
-            comp = llm.engine.composer
-            assert comp.captures >= 1 and comp.replays >= 1
-            assert {s.tail for s in comp.ready} == ({3} if tail else {0})
-        finally:
-            cg.QUERY_TAIL = saved
-    for a, b in zip(got[0][1:], got[64][1:]):
+    got = _with_flags([(cg, "QUERY_TAIL")], (0, 64), _compose_prompts((41, 41, 41, 37)), 3)
+    for tail, (_, llm) in got.items():
+        comp = llm.engine.composer
+        assert comp.captures >= 1 and comp.replays >= 1
+        assert {s.tail for s in comp.ready} == ({3} if tail else {0})
+    for a, b in zip(got[0][0][1:], got[64][0][1:]):
         assert a.token_ids == b.token_ids
         assert rel(b.logits, a.logits) < 1e-4
 
@@ -690,25 +693,15 @@ def test_cuda_graph_compose_order_from_entries():
     in place from the request's segments (an address table a layer) instead of the fill's packed copies; logits and
     the decode steps after them (the state's cached values taken from the entries) equal the packed form's. fp32, the
     same kernels on the same values: 1e-5 on the logits."""
-    from hypic import LLM, SamplingParams
     from hypic.layers import attention as attn_mod
 
-    ps = _compose_prompts((41, 41, 41, 37))
-    sp = SamplingParams(max_tokens=3, return_logits=True, ignore_eos=True)
-    got = {}
-    saved = attn_mod.ORDER_FROM_ENTRIES
-    for on in (False, True):
-        attn_mod.ORDER_FROM_ENTRIES = on
-        try:
-            llm = LLM("tiny-qwen3.5", device="cuda", dtype="float32", seed=0)
-            got[on] = [llm.generate([p], sp)[0] for p in ps]
-            comp = llm.engine.composer
-            assert comp.captures >= 1 and comp.replays >= 1
-            bufs = next(iter(comp.ready.values()))[0]
-            assert any("entries" in b for b in bufs.layers.values()) == on
-        finally:
-            attn_mod.ORDER_FROM_ENTRIES = saved
-    for a, b in zip(got[False], got[True]):
+    got = _with_flags([(attn_mod, "ORDER_FROM_ENTRIES")], (False, True), _compose_prompts((41, 41, 41, 37)), 3)
+    for on, (_, llm) in got.items():
+        comp = llm.engine.composer
+        assert comp.captures >= 1 and comp.replays >= 1
+        bufs = next(iter(comp.ready.values()))[0]
+        assert any("entries" in b for b in bufs.layers.values()) == on
+    for a, b in zip(got[False][0], got[True][0]):
         assert a.token_ids == b.token_ids
         assert rel(b.logits, a.logits) < 1e-5
 
@@ -722,30 +715,23 @@ def test_cuda_graph_compose_fills_beside_the_pass():
     same values, so the tokens agree and the logits to bf16 rounding at most (a fill that a piece did not wait for,
     or a stale ordered key, reorders whole segments' keys: far above that). Five requests of one shape: planned,
     captured, then three staged replays, segments reordered each time."""
-    from hypic import LLM, Prompt, SamplingParams
+    from hypic import Prompt
     from hypic.layers import attention
     from hypic.runtime import compose_graph as cg
 
     segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200)), list(range(210, 260))]
     ps = [Prompt(prefix=[5, 6, 7], segments=[segs[i] for i in o], query=list(range(100, 110)))
           for o in ((0, 1, 2, 3), (2, 0, 3, 1), (1, 3, 0, 2), (3, 2, 1, 0), (0, 2, 1, 3))]
-    sp = SamplingParams(max_tokens=1, return_logits=True, ignore_eos=True)
-    got = {}
-    saved = attention.ORDER_AHEAD, cg.SIDE_FILL
-    for on in (False, True):
-        attention.ORDER_AHEAD = cg.SIDE_FILL = on
-        try:
-            llm = LLM("tiny-qwen3.5", device="cuda", dtype="bfloat16", seed=0, compose_pieces=3)
-            got[on] = [llm.generate([p], sp)[0] for p in ps]
-            comp = llm.engine.composer
-            assert comp.captures == 1 and comp.replays == 4 and (comp._side is not None) == on
-            bufs, graph = next(iter(comp.ready.values()))[:2]
-            assert len(graph.graphs) == 3
-            assert all(("ok" in bufs.layers[l]) == on for l, m in llm.engine.model.mixers.items()
-                       if isinstance(m, attention.AttentionMixer))
-        finally:
-            attention.ORDER_AHEAD, cg.SIDE_FILL = saved
-    for a, b in zip(got[False][1:], got[True][1:]):
+    got = _with_flags([(attention, "ORDER_AHEAD"), (cg, "SIDE_FILL")], (False, True), ps, 1, dtype="bfloat16",
+                      compose_pieces=3)
+    for on, (_, llm) in got.items():
+        comp = llm.engine.composer
+        assert comp.captures == 1 and comp.replays == 4 and (comp._side is not None) == on
+        bufs, graph = next(iter(comp.ready.values()))[:2]
+        assert len(graph.graphs) == 3
+        assert all(("ok" in bufs.layers[l]) == on for l, m in llm.engine.model.mixers.items()
+                   if isinstance(m, attention.AttentionMixer))
+    for a, b in zip(got[False][0][1:], got[True][0][1:]):
         assert a.token_ids == b.token_ids
         assert rel(b.logits, a.logits) < 1e-3, ("bit-equal" if torch.equal(a.logits, b.logits) else "differ")
 
