@@ -401,7 +401,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 # session; no gain in H100 runs 102-103: off)
                 ("order_ahead", flag(_attention, "ORDER_AHEAD", True), {}),
                 # the cached keys and values read in place by the ordering kernel, not packed by the fill (32nd)
-                ("order_from_entries", flag(_attention, "ORDER_FROM_ENTRIES", True), {}),
+                ("order_packed" if _attention.ORDER_FROM_ENTRIES else "order_from_entries",
+                 flag(_attention, "ORDER_FROM_ENTRIES", not _attention.ORDER_FROM_ENTRIES), {}),
                 ("fills_beside", flag(_cg, "SIDE_FILL", True), {}),
                 # every request lowered afresh, no layout kept for the next of the same layout (before the 33rd)
                 ("layouts_off", flag(_cg, "LAYOUTS", 0), {}),
@@ -409,7 +410,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 # not 4; every run's summary chunk, pair factors and scan correction rows 32 or 64 wide)
                 # the query's pieces outside the chain, walked by one launch a layer (32nd session; the 31st's form,
                 # the query as one 64-token chunk by a call of its own: +1.26 ms in H200 run 107)
-                ("query_tail", flag(_cg, "QUERY_TAIL", 64), {}),
+                ("query_chained" if _cg.QUERY_TAIL else "query_tail", flag(_cg, "QUERY_TAIL", 0 if _cg.QUERY_TAIL else 64), {}),
                 ("sub_run_32", flag(_cg, "SUB_RUN", 32), {}),
                 ("sub_run_64", flag(_cg, "SUB_RUN", 64), {})]
     if _tr is not None:

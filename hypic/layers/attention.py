@@ -31,9 +31,9 @@ ORDER_AHEAD = False
 # the compose pass's cached keys and values read in place from the request's cached segments by the ordering kernel
 # (an address table a layer, filled per request) instead of packed into the pass's buffers by the fill first (~134 MB
 # of copies a full-attention layer on the 35B request); the request's state then takes the cached values from the
-# segments after its first token. Off until a GPU has run it (Triton's interpreter only; gpu_bench's variant
-# `order_from_entries`)
-ORDER_FROM_ENTRIES = False
+# segments after its first token. H100 run 109: -0.47 ms paired against packing (gpu_bench's variant `order_packed`; CUDA
+# test test_cuda_graph_compose_order_from_entries, passed in run 108)
+ORDER_FROM_ENTRIES = True
 
 
 def _pack(buf: dict, parts: list) -> None:

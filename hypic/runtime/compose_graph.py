@@ -79,10 +79,10 @@ SIDE_FILL = False
 # (`query_tail`): its pieces of SUB_RUN tokens summarized with the other runs, the chain ending where it starts, and the
 # pieces walked from the chain's last state by one launch per layer (layers/linear.py `_tail`, op gated_delta_tail: their
 # outputs and the request's final state); 0: its pieces chained like the others. The first form (H200 run 107: +1.26 ms)
-# summarized the query as one 64-token chunk by a call of its own (32 programs, 1 KB of spills). Off until a GPU has run
-# this one (CPU and Triton's interpreter only so far; gpu_bench's variant `query_tail`, CUDA test
-# test_cuda_graph_compose_with_query_tail)
-QUERY_TAIL = 0
+# summarized the query as one 64-token chunk by a call of its own (32 programs, 1 KB of spills). This form: H100 run 109,
+# -0.73 ms paired against the chained query (gpu_bench's variant `query_chained`; CUDA test
+# test_cuda_graph_compose_with_query_tail, passed in run 108)
+QUERY_TAIL = 64
 
 
 @dataclass(frozen=True)
