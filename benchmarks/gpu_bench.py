@@ -457,6 +457,10 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     tuned = _ts.TUNED if _ts is not None else {}
     print(f"scan tuner picks: {({k: v[0] for k, v in tuned.items()})}", flush=True)
     rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in tuned.items()}
+    pairs_tuned = _ts.PAIR_TUNED if _ts is not None else {}       # the pair kernel's forms timed on the request's shape
+    print(f"pair tuner: {({k: (v[0], {c: round(t * 1e3, 1) for c, t in v[1].items()}) for k, v in pairs_tuned.items()})}"
+          " (us)", flush=True)
+    rag["pair_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in pairs_tuned.items()}
     composers = {}
     model = llm.engine.model
     for name, switch, kw in variants:

@@ -1326,8 +1326,9 @@ def test_triton_pair_lowrank_in_interpreter():
     the compose pass's LOWRANK_PAIRS): runs of 5, 8 and 16 tokens summarized by the reference recurrence
     from [0 | I] (their dense [S | T]), their factors by reference `run_factors` and U by the same triangular system;
     [S_e + P U | g T_e - P W] equal to T_e [S_r | T_r] + [S_e | 0] in fp64 to fp32 rounding (1e-5), and a run with no
-    cached map after it to its own [S_r | T_r]; in one program per row block, in two (halves) and with the columns in
-    chunks, from a table of 4-wide and of 6-wide rows (the compose pass's); a row marked skipped writes nothing."""
+    cached map after it to its own [S_r | T_r]; in one program per row block, in two (halves), with the columns in
+    chunks and with every load first, from a table of 4-wide and of 6-wide rows (the compose pass's); a row marked
+    skipped writes nothing."""
     code = """
 import math, torch
 from hypic.ops.triton_scan import pair_lowrank
@@ -1359,7 +1360,8 @@ wide[:, :4] = pairs
 d = dense.double()
 want = [torch.cat([Te[0].double() @ d[0, ..., :V] + Se[0].double(), Te[0].double() @ d[0, ..., V:]], -1),
         d[1], torch.cat([Te[1].double() @ d[2, ..., :V] + Se[1].double(), Te[1].double() @ d[2, ..., V:]], -1)]
-for table, rows, halves in ((pairs, 16, False), (pairs, 32, True), (wide, 16, True), (wide, 32, 16), (pairs, 16, 16)):
+for table, rows, halves in ((pairs, 16, False), (pairs, 32, True), (wide, 16, True), (wide, 32, 16), (pairs, 16, 16),
+                            (pairs, 16, "first"), (wide, 32, "first")):
     out = torch.full((len(lens), H, K, V + K), float("nan"))
     pair_lowrank(table, F, U, out, block_rows=rows, warps=4, halves=halves)
     for i in range(3):

@@ -455,16 +455,20 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
 @triton.jit
 def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
                          BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, HALVES: tl.constexpr,
-                         BC: tl.constexpr = 0, SKIP: tl.constexpr = False):
+                         BC: tl.constexpr = 0, SKIP: tl.constexpr = False, FIRST: tl.constexpr = False):
     """Program (pair row p, head h, block of BR rows of the map): rows of [c | M] = [S_e + P U | g T_e - P W],
     P = T_e Kd^T (T_e = I, S_e = 0 where the row names no cached map). HALVES: two programs per block, one for M
     and one for c (each forms P; the pair's two programs are adjacent in launch order, so T_e's second read is
     likely an L2 hit), about half the live registers of one program doing both. BC > 0: the columns in chunks of
     BC (P accumulated over T_e's column chunks, then M's and c's chunks each formed and stored), T_e's rows read
     twice (the second from cache, likely), few live registers (`_pair_chunked`). SKIP: a row whose fourth column is
-    not zero writes nothing (the compose pass's pad runs, when no chain reads their maps)."""
+    not zero writes nothing (the compose pass's pad runs, when no chain reads their maps). FIRST: every load of the
+    program issued before its first product (`_pair_first`)."""
     if BC > 0:
         _pair_chunked(pairs, F, U, out, H, K, V, WF, BR, PREC, PW, BC, SKIP)
+        return
+    if FIRST:
+        _pair_first(pairs, F, U, out, H, K, V, WF, BR, PREC, PW, SKIP)
         return
     if HALVES:
         part = tl.program_id(0) % 2
@@ -545,10 +549,48 @@ def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.cons
         tl.store(ob + (c0 + cc)[None, :], se + tl.dot(pk, u, input_precision=PREC), mask=mr)
 
 
-# (block rows, warps, halves: False / True, or a column chunk width) tried on a shape's first eager call; the first is
+@triton.jit
+def _pair_first(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
+                BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, SKIP: tl.constexpr):
+    """_pair_lowrank_kernel's whole-row program with every load (T_e and S_e rows, Kd, W, g, U) issued before the first
+    product, so a program waits on memory once, not three times (load, product, load, ...: the whole form loads W
+    after P's product and S_e, U after M's). Each program's live loads: [BR, K] + [BR, V] + 3 [WF, K or V] floats."""
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.program_id(2) * BR + tl.arange(0, BR)
+    row = pairs + p.to(tl.int64) * PW
+    tv = tl.load(row)
+    sv = tl.load(row + 1)
+    i = tl.load(row + 2)
+    mr = (r < K)[:, None]
+    if SKIP:
+        mr = mr & (tl.load(row + 3) == 0)
+    kk = tl.arange(0, K)
+    vv = tl.arange(0, V)
+    ww = tl.arange(0, WF)
+    fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
+    cached = tv != 0
+    tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K)
+    sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V)
+    kd = tl.load(fb + ww[:, None] * K + kk[None, :])                                   # [WF, K]
+    te = tl.load(tp + r[:, None] * K + kk[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, K]
+    wf = tl.load(fb + (WF + ww)[:, None] * K + kk[None, :])                            # [WF, K]
+    g = tl.load(fb + 2 * WF * K)
+    se = tl.load(sp + r[:, None] * V + vv[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, V]
+    u = tl.load(U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V + vv[None, :])   # [WF, V]
+    te = tl.where(cached, te, tl.where(r[:, None] == kk[None, :], 1.0, 0.0))
+    pk = tl.dot(te, tl.trans(kd), input_precision=PREC)                                # [BR, WF]
+    ob = out + (i * H + h).to(tl.int64) * (K * (V + K)) + r[:, None] * (V + K)
+    tl.store(ob + V + kk[None, :], g * te - tl.dot(pk, wf, input_precision=PREC), mask=mr)
+    tl.store(ob + vv[None, :], se + tl.dot(pk, u, input_precision=PREC), mask=mr)
+
+
+# (block rows, warps, form: False (whole rows) / True (halves) / a column chunk width / "first" (whole rows, every
+# load before the first product, `_pair_first`: thirty-fourth session, not yet timed on a GPU)) tried on a shape's first eager call; the first is
 # the default. H100 run 99 (scan_bench, us per layer at the warm request's shape): chunks of 32 at (128, 8) 135.5, at
 # (64, 4) 160.1; whole at (32, 4) 167.2 (run 98: whole at (16, 4), (64, 8), (32, 8) 196-232); halves 174-236
-PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True))     # (each built and run in run 99)
+PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True),     # (each built and run in run 99)
+                (32, 4, "first"), (64, 8, "first"))
 PAIR_TUNED: dict = {}
 
 
@@ -571,7 +613,8 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
     chain scan reads a run's [S | T]. precision: tl.dot's (default: "tf32x3" on CUDA, fp32-level products on tensor
     cores: compiled for sm_90a offline, 255 registers and no spills at 32 rows and 4 warps, where "ieee" spills 368
     bytes; "ieee" in Triton's interpreter). block_rows / warps / halves (True: two programs per row block, one for M
-    and one for c; an int: the columns in chunks of that width, `_pair_chunked`): a fixed configuration (else the
+    and one for c; an int: the columns in chunks of that width, `_pair_chunked`; "first": whole rows with every load
+    issued before the first product, `_pair_first`): a fixed configuration (else the
     tuned one of PAIR_CONFIGS, timed on the shape's first eager CUDA call; else the first whose column chunks tile K
     and V)."""
     n, h, rows, k = factors.shape
@@ -586,17 +629,19 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
 
     def launch(cfg):
         br, w, hv = cfg
-        bc = 0 if isinstance(hv, bool) else int(hv)          # a chunk width (the chunked form) or whole columns
+        first = hv == "first"
+        bc = 0 if isinstance(hv, bool) or first else int(hv)     # a chunk width (the chunked form) or whole columns
         if bc and (k % bc or v % bc):
             raise ValueError(f"column chunks of {bc} must tile K = {k} and V = {v}")
         _pair_lowrank_kernel[(pairs.shape[0] * (2 if hv is True else 1), h, triton.cdiv(k, br))](
             pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=br, PW=pairs.stride(0), PREC=prec, HALVES=hv is True,
-            BC=bc, SKIP=skip_marked, num_warps=w)
+            BC=bc, SKIP=skip_marked, FIRST=first, num_warps=w)
 
     if not pairs.shape[0]:
         return out
     # the default: the first configuration whose column chunks (if any) tile K and V (the tiny presets: 16)
-    cfg = next((c for c in PAIR_CONFIGS if isinstance(c[2], bool) or (k % c[2] == 0 and v % c[2] == 0)), (32, 4, False))
+    cfg = next((c for c in PAIR_CONFIGS if not isinstance(c[2], int) or isinstance(c[2], bool)
+                or (k % c[2] == 0 and v % c[2] == 0)), (32, 4, False))
     if block_rows is not None or warps is not None or halves is not None:
         cfg = (block_rows or cfg[0], warps or cfg[1], cfg[2] if halves is None else halves)
     elif tune:
