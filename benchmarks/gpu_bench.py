@@ -372,7 +372,6 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     from hypic.layers import attention as _attention
     from hypic.layers import linear as _linear
     from hypic.runtime import compose_graph as _cg
-    from hypic.runtime.compose_graph import GraphCompose
 
     try:
         from hypic.ops import triton_scan as _ts
@@ -461,62 +460,87 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     print(f"pair tuner: {({k: (v[0], {c: round(t * 1e3, 1) for c, t in v[1].items()}) for k, v in pairs_tuned.items()})}"
           " (us)", flush=True)
     rag["pair_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in pairs_tuned.items()}
+    default, rest = variants[0], variants[1:]
+    size = args.variant_group or len(rest) or 1
+    for g in range(0, max(len(rest), 1), size):
+        # (1 + size) composers alive at once: each keeps its own buffers and graphs (an 80 GB card held the default
+        # and three, H100 run 109, not seven, run 108), and the default is timed again beside each group
+        try:
+            _time_group(llm, comp, [default] + rest[g:g + size], segs, order_a, query, ttft, args, rag)
+        except Exception:  # a group that fails (a variant's fault, out of memory) must not cost the next groups
+            import traceback
+
+            traceback.print_exc()
+            llm.engine.composer = comp
+
+
+def _time_group(llm, comp, variants, segs, order_a, query, ttft, args, rag):
+    """The default (variants[0]) and a group of variants, each with its own composer, their warm requests interleaved
+    round by round and paired with the default's of the same round; with --profile, each one's kernels against the
+    default's. The group's composers are cleared at the end, also when one of them fails."""
+    from hypic.runtime.compose_graph import GraphCompose
+
     composers = {}
     model = llm.engine.model
-    for name, switch, kw in variants:
-        c = comp if name == "default" else GraphCompose(model, comp.device, comp.dtype, graphs=comp.graphs,
-                                                         pieces=kw.get("pieces", comp.pieces),
-                                                         first_piece=kw.get("first", comp.first_piece))
-        llm.engine.composer = c
-        try:
-            with switch():
-                for r in range(3):                   # planned walk, capture, replay
-                    ttft(Prompt(segments=[segs[i] for i in order_a[r:] + order_a[:r]], query=query))
-        finally:
-            llm.engine.composer = comp
-        composers[name] = c
-    var_ts = {name: [] for name, *_ in variants}
-    for r in range(2 * args.reps + 1):
-        order = _shuffled(order_a, r + 1)
-        p_r = Prompt(segments=[segs[i] for i in order], query=query)
-        k = r % len(variants)
-        for name, switch, kw in variants[k:] + variants[:k]:
-            llm.engine.composer = composers[name]
-            try:
-                with switch():
-                    var_ts[name].append(ttft(p_r)[0])
-            finally:
-                llm.engine.composer = comp
-    for name, *_ in variants:
-        rag[f"pic_warm_{name}_interleaved_s"] = statistics.median(var_ts[name])
-        rag[f"pic_warm_{name}_interleaved_all_s"] = var_ts[name]
-        # the variant minus the default within each round (a drift of the machine across rounds cancels)
-        paired = [a - b for a, b in zip(var_ts[name], var_ts["default"])]
-        rag[f"pic_warm_{name}_minus_default_s"] = statistics.median(paired)
-        print(f"pic warm TTFT, interleaved, {name}: {statistics.median(var_ts[name]) * 1e3:.1f} ms "
-              f"{[round(t * 1e3, 1) for t in var_ts[name]]}; minus default, paired by round: median "
-              f"{statistics.median(paired) * 1e3:+.2f} ms", flush=True)
-    if args.profile and len(variants) > 1:
-        # each variant's kernels against the default's in one profiled warm request (a variant that wins or loses
-        # then says where: H200 run 107's query tail lost 1.26 ms with no profile to tell which kernel)
-        p_k = Prompt(segments=[segs[i] for i in _shuffled(order_a, 99)], query=query)
-        per = {}
+    try:
         for name, switch, kw in variants:
-            llm.engine.composer = composers[name]
+            c = comp if name == "default" else GraphCompose(model, comp.device, comp.dtype, graphs=comp.graphs,
+                                                             pieces=kw.get("pieces", comp.pieces),
+                                                             first_piece=kw.get("first", comp.first_piece))
+            llm.engine.composer = c
             try:
                 with switch():
-                    per[name] = kernel_times(lambda: ttft(p_k))
+                    for r in range(3):                   # planned walk, capture, replay
+                        ttft(Prompt(segments=[segs[i] for i in order_a[r:] + order_a[:r]], query=query))
             finally:
                 llm.engine.composer = comp
-        rag["variant_kernels_us"] = {n: {k: v[0] for k, v in t.items()} for n, t in per.items()}
-        for name, *_ in variants[1:]:
-            print(f"\n== kernels: {name} minus default (one profiled warm request; us, count) ==")
-            print(kernel_diff(per["default"], per[name]))
-    for name, c in composers.items():
-        if c is not comp:
-            c.clear()
-    composers.clear()
-    (torch.cuda.empty_cache() if DEV == "cuda" else None)
+            composers[name] = c
+        var_ts = {name: [] for name, *_ in variants}
+        for r in range(2 * args.reps + 1):
+            order = _shuffled(order_a, r + 1)
+            p_r = Prompt(segments=[segs[i] for i in order], query=query)
+            k = r % len(variants)
+            for name, switch, kw in variants[k:] + variants[:k]:
+                llm.engine.composer = composers[name]
+                try:
+                    with switch():
+                        var_ts[name].append(ttft(p_r)[0])
+                finally:
+                    llm.engine.composer = comp
+        rag.setdefault("pic_warm_default_interleaved_by_group_s", []).append(statistics.median(var_ts["default"]))
+        for name, *_ in variants[1:]:          # (the default's median beside this variant, for the summary table)
+            rag[f"pic_warm_{name}_default_interleaved_s"] = statistics.median(var_ts["default"])
+        for name, *_ in variants:
+            rag[f"pic_warm_{name}_interleaved_s"] = statistics.median(var_ts[name])
+            rag[f"pic_warm_{name}_interleaved_all_s"] = var_ts[name]
+            # the variant minus the default within each round (a drift of the machine across rounds cancels)
+            paired = [a - b for a, b in zip(var_ts[name], var_ts["default"])]
+            rag[f"pic_warm_{name}_minus_default_s"] = statistics.median(paired)
+            print(f"pic warm TTFT, interleaved, {name}: {statistics.median(var_ts[name]) * 1e3:.1f} ms "
+                  f"{[round(t * 1e3, 1) for t in var_ts[name]]}; minus default, paired by round: median "
+                  f"{statistics.median(paired) * 1e3:+.2f} ms", flush=True)
+        if args.profile and len(variants) > 1:
+            # each variant's kernels against the default's in one profiled warm request (a variant that wins or loses
+            # then says where: H200 run 107's query tail lost 1.26 ms with no profile to tell which kernel)
+            p_k = Prompt(segments=[segs[i] for i in _shuffled(order_a, 99)], query=query)
+            per = {}
+            for name, switch, kw in variants:
+                llm.engine.composer = composers[name]
+                try:
+                    with switch():
+                        per[name] = kernel_times(lambda: ttft(p_k))
+                finally:
+                    llm.engine.composer = comp
+            rag.setdefault("variant_kernels_us", {}).update({n: {k: v[0] for k, v in t.items()} for n, t in per.items()})
+            for name, *_ in variants[1:]:
+                print(f"\n== kernels: {name} minus default (one profiled warm request; us, count) ==")
+                print(kernel_diff(per["default"], per[name]))
+    finally:
+        for name, c in composers.items():
+            if c is not comp:
+                c.clear()
+        composers.clear()
+        (torch.cuda.empty_cache() if DEV == "cuda" else None)
 
 
 def _shuffled(order, seed):
@@ -574,6 +598,9 @@ def main():
     ap.add_argument("--all-variants", action="store_true", help="also the compose variants of runs 16-19")
     ap.add_argument("--without", default="", help="compose variants to leave out, comma-separated (e.g. one whose "
                                                    "GPU test failed in the same call: a fault would end the run)")
+    ap.add_argument("--variant-group", type=int, default=0, help="time the compose variants this many at a time beside "
+                    "the default (each keeps its own buffers and graphs: 3 fit beside the 35B model on an 80 GB card); "
+                    "0: all at once")
     ap.add_argument("--only", default="", help="the compose variants to time beside the default, comma-separated "
                                                 "(instead of every variant but those of --without)")
     ap.add_argument("--ts-first", action="store_true", help="the (T, S) rows first (then the rest)")
@@ -752,8 +779,16 @@ def main():
     llm.engine.segments.clear()              # cold again, now that every kernel shape has been tuned and the
     llm.engine.prefix.clear()                # compose graph of this shape captured (kept: not the caches' part)
     order = order_a[::-1]
-    rag["pic_cold_steady_s"], _ = ttft(Prompt(segments=[segs[i] for i in order], query=query))
-    print(f"pic cold, second time (kernels tuned): {rag['pic_cold_steady_s'] * 1e3:.0f} ms", flush=True)
+    try:
+        rag["pic_cold_steady_s"], _ = ttft(Prompt(segments=[segs[i] for i in order], query=query))
+        print(f"pic cold, second time (kernels tuned): {rag['pic_cold_steady_s'] * 1e3:.0f} ms", flush=True)
+    except torch.OutOfMemoryError as e:
+        # (an 80 GB card: H100 runs 97-110 ran out of memory here, the 20 segments' isolated prefill in one batch
+        # beside the 35B model and the composers' buffers, and lost every row after it)
+        rag["pic_cold_steady_s"] = float("nan")
+        print(f"pic cold, second time: skipped, out of GPU memory ({str(e)[:100]})", flush=True)
+        llm.engine.segments.clear()
+        (torch.cuda.empty_cache() if DEV == "cuda" else None)
     if args.profile:
         rag["timeline_warm_pic"] = profile("warm pic request",
                                            lambda: ttft(Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)))
@@ -898,8 +933,9 @@ def main():
         if d_int and key.startswith("pic_warm_") and key.endswith("_interleaved_s") and "default" not in key:
             name = key[len("pic_warm_"):-len("_interleaved_s")]
             pd = rag.get(f"pic_warm_{name}_minus_default_s")
-            print(f"| RAG warm TTFT pic, interleaved: default vs variant {name} | {d_int * 1e3:.1f} ms | "
-                  f"{v * 1e3:.1f} ms | {v / d_int:.3f}x | paired by round: {pd * 1e3:+.2f} ms |")
+            d_own = rag.get(f"pic_warm_{name}_default_interleaved_s", d_int)       # its own group's default
+            print(f"| RAG warm TTFT pic, interleaved: default vs variant {name} | {d_own * 1e3:.1f} ms | "
+                  f"{v * 1e3:.1f} ms | {v / d_own:.3f}x | paired by round: {pd * 1e3:+.2f} ms |")
     print(f"| RAG warm TTFT pic vs prefix | {rag['pic_warm_s'] * 1e3:.1f} ms | prefix {rag['prefix_s'] * 1e3:.0f} ms | "
           f"{rag['pic_vs_prefix']:.1f}x | |")
     if rag.get("prefix_long_chains"):
