@@ -453,6 +453,23 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
 
 
 @triton.jit
+def _pair_row(pairs, F, p, h, r, H: tl.constexpr, K: tl.constexpr, WF: tl.constexpr, PW: tl.constexpr,
+              SKIP: tl.constexpr):
+    """Pair row p: its cached map's T and S addresses (0: none), its run's index i (factors, U and output slot),
+    whether a cached map follows, the store mask of rows r (rows past K; every row where SKIP and the row is marked),
+    and the run's factors for head h."""
+    row = pairs + p.to(tl.int64) * PW
+    tv = tl.load(row)
+    sv = tl.load(row + 1)
+    i = tl.load(row + 2)
+    mr = (r < K)[:, None]
+    if SKIP:
+        mr = mr & (tl.load(row + 3) == 0)
+    fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
+    return tv, sv, i, tv != 0, mr, fb
+
+
+@triton.jit
 def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
                          BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, HALVES: tl.constexpr,
                          BC: tl.constexpr = 0, SKIP: tl.constexpr = False, FIRST: tl.constexpr = False):
@@ -478,19 +495,11 @@ def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: 
         p = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2) * BR + tl.arange(0, BR)
-    row = pairs + p.to(tl.int64) * PW
-    tv = tl.load(row)
-    sv = tl.load(row + 1)
-    i = tl.load(row + 2)                                  # the run's factors, U and output slot
-    mr = (r < K)[:, None]
-    if SKIP:
-        mr = mr & (tl.load(row + 3) == 0)
+    tv, sv, i, cached, mr, fb = _pair_row(pairs, F, p, h, r, H, K, WF, PW, SKIP)
     kk = tl.arange(0, K)
     vv = tl.arange(0, V)
     ww = tl.arange(0, WF)
-    fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
     kd = tl.load(fb + ww[:, None] * K + kk[None, :])                                   # [WF, K]
-    cached = tv != 0
     tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K)
     te = tl.load(tp + r[:, None] * K + kk[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, K]
     te = tl.where(cached, te, tl.where(r[:, None] == kk[None, :], 1.0, 0.0))
@@ -558,18 +567,10 @@ def _pair_first(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.conste
     p = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2) * BR + tl.arange(0, BR)
-    row = pairs + p.to(tl.int64) * PW
-    tv = tl.load(row)
-    sv = tl.load(row + 1)
-    i = tl.load(row + 2)
-    mr = (r < K)[:, None]
-    if SKIP:
-        mr = mr & (tl.load(row + 3) == 0)
+    tv, sv, i, cached, mr, fb = _pair_row(pairs, F, p, h, r, H, K, WF, PW, SKIP)
     kk = tl.arange(0, K)
     vv = tl.arange(0, V)
     ww = tl.arange(0, WF)
-    fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
-    cached = tv != 0
     tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K)
     sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V)
     kd = tl.load(fb + ww[:, None] * K + kk[None, :])                                   # [WF, K]
