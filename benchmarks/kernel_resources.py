@@ -109,12 +109,11 @@ def other_builds():
                             (32, 4, "tf32x3", True), (64, 4, "tf32x3", True), (64, 8, "tf32x3", True),
                             (32, 4, "tf32x3", 32), (64, 4, "tf32x3", 32), (64, 8, "tf32x3", 64),
                             (128, 8, "tf32x3", 32), (32, 4, "tf32x3", "first"), (64, 8, "tf32x3", "first")):
-        first = hv == "first"
-        form = "" if hv is False else ", halves" if hv is True else ", loads first" if first else f", chunks of {hv}"
+        halves, bc, first = ts.pair_form(hv)
+        form = ", halves" if halves else ", loads first" if first else f", chunks of {bc}" if bc else ""
         rows.append(("pair_lowrank", f"rows {br}, warps {w}, {prec}{form}", kernel_build(
             ts._pair_lowrank_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32"),
-            dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec, PW=6, HALVES=hv is True,
-                 BC=0 if isinstance(hv, bool) or first else hv, FIRST=first), w)))
+            dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec, PW=6, HALVES=halves, BC=bc, FIRST=first), w)))
     tail = dict(o="*bf16", u="*bf16", s0="*fp32", U="*fp32", F="*fp32", cu="*i64", final="*fp32", N="i32",
                 s_on="i32", s_oh="i32", s_un="i32", s_uh="i32")
     for bv, w in ((32, 4), (16, 4), (32, 8)):          # the query's tail (32nd session): 4 runs of 16, K = V = 128

@@ -525,17 +525,10 @@ def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.cons
     p = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2) * BR + tl.arange(0, BR)
-    row = pairs + p.to(tl.int64) * PW
-    mr = (r < K)[:, None]
-    if SKIP:                                              # (loads of T_e and S_e keep r < K: a skipped row has none)
-        mr = mr & (tl.load(row + 3) == 0)
-    tv = tl.load(row)
-    sv = tl.load(row + 1)
-    i = tl.load(row + 2)
+    # (loads of T_e and S_e below are masked by mr: a skipped row loads nothing)
+    tv, sv, i, cached, mr, fb = _pair_row(pairs, F, p, h, r, H, K, WF, PW, SKIP)
     cc = tl.arange(0, BC)
     ww = tl.arange(0, WF)
-    fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
-    cached = tv != 0
     tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K) + r[:, None] * K
     pk = tl.zeros((BR, WF), dtype=tl.float32)
     for c0 in tl.static_range(0, K, BC):                  # P = T_e Kd^T over T_e's column chunks
@@ -587,12 +580,20 @@ def _pair_first(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.conste
 
 
 # (block rows, warps, form: False (whole rows) / True (halves) / a column chunk width / "first" (whole rows, every
-# load before the first product, `_pair_first`: thirty-fourth session, not yet timed on a GPU)) tried on a shape's first eager call; the first is
-# the default. H100 run 99 (scan_bench, us per layer at the warm request's shape): chunks of 32 at (128, 8) 135.5, at
+# load before the first product, `_pair_first`: thirty-fourth session, not yet timed on a GPU)) tried on a shape's
+# first eager call; the first is the default. H100 run 99 (scan_bench, us per layer at the warm request's shape): chunks of 32 at (128, 8) 135.5, at
 # (64, 4) 160.1; whole at (32, 4) 167.2 (run 98: whole at (16, 4), (64, 8), (32, 8) 196-232); halves 174-236
 PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True),     # (each built and run in run 99)
                 (32, 4, "first"), (64, 8, "first"))
 PAIR_TUNED: dict = {}
+
+
+def pair_form(form) -> tuple[bool, int, bool]:
+    """A PAIR_CONFIGS form as _pair_lowrank_kernel's (HALVES, BC, FIRST): True halves, an int column chunks of that
+    width, "first" every load first, False whole rows."""
+    first = form == "first"
+    halves = form is True
+    return halves, 0 if isinstance(form, bool) or first else int(form), first
 
 
 def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, out: torch.Tensor, *,
@@ -630,19 +631,21 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
 
     def launch(cfg):
         br, w, hv = cfg
-        first = hv == "first"
-        bc = 0 if isinstance(hv, bool) or first else int(hv)     # a chunk width (the chunked form) or whole columns
+        halves_, bc, first = pair_form(hv)
         if bc and (k % bc or v % bc):
             raise ValueError(f"column chunks of {bc} must tile K = {k} and V = {v}")
-        _pair_lowrank_kernel[(pairs.shape[0] * (2 if hv is True else 1), h, triton.cdiv(k, br))](
-            pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=br, PW=pairs.stride(0), PREC=prec, HALVES=hv is True,
+        _pair_lowrank_kernel[(pairs.shape[0] * (2 if halves_ else 1), h, triton.cdiv(k, br))](
+            pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=br, PW=pairs.stride(0), PREC=prec, HALVES=halves_,
             BC=bc, SKIP=skip_marked, FIRST=first, num_warps=w)
 
     if not pairs.shape[0]:
         return out
     # the default: the first configuration whose column chunks (if any) tile K and V (the tiny presets: 16)
-    cfg = next((c for c in PAIR_CONFIGS if not isinstance(c[2], int) or isinstance(c[2], bool)
-                or (k % c[2] == 0 and v % c[2] == 0)), (32, 4, False))
+    def tiles(c):
+        bc = pair_form(c[2])[1]
+        return not bc or (k % bc == 0 and v % bc == 0)
+
+    cfg = next((c for c in PAIR_CONFIGS if tiles(c)), (32, 4, False))
     if block_rows is not None or warps is not None or halves is not None:
         cfg = (block_rows or cfg[0], warps or cfg[1], cfg[2] if halves is None else halves)
     elif tune:
