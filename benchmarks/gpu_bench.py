@@ -410,6 +410,8 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 # the query's pieces outside the chain, walked by one launch a layer (32nd session; the 31st's form,
                 # the query as one 64-token chunk by a call of its own: +1.26 ms in H200 run 107)
                 ("query_chained" if _cg.QUERY_TAIL else "query_tail", flag(_cg, "QUERY_TAIL", 0 if _cg.QUERY_TAIL else 64), {}),
+                # the chain's first step from the zero init by its product, not marked as from zero (35th session)
+                ("chain_from_init", flag(_linear, "CHAIN_FROM_ZERO", False), {}),
                 ("sub_run_32", flag(_cg, "SUB_RUN", 32), {}),
                 ("sub_run_64", flag(_cg, "SUB_RUN", 64), {})]
     if _tr is not None:

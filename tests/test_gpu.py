@@ -881,6 +881,31 @@ for bv in (16, 32):                              # the prefetching form (gpu_ben
     got = outs.clone()
     triton_scan.scan_steps(init, steps6, cu, runs, E + N, outputs=got, max_run=run_len, bv=bv, prefetch=True)
     assert rel(got[..., :V], want) < 1e-6, bv
+# a chain from zero with its first row flagged (STEP_FROM_ZERO: x <- S, no product, no correction): the same to the
+# bit as the product from the zero init, whether the first map is a run's (cu from 0) or a cached one's (from 1)
+from hypic.compose.scan import STEP_FROM_ZERO
+init_z = init.clone()
+init_z[0] = 0
+for first in (0, 1):
+    cu_z = torch.tensor([first, 5, 7], dtype=torch.int32)
+    for tbl in (steps, steps6):
+        flagged = tbl.clone()
+        flagged[first, 2] |= STEP_FROM_ZERO
+        for kw in (dict(), dict(bv=16, stages=1), dict(prefetch=True)):
+            if tbl is steps6:
+                want_o, got_o = outs.clone(), outs.clone()
+                _, f_a = triton_scan.scan_steps(init_z, tbl, cu_z, runs, E + N, outputs=want_o, max_run=run_len, **kw)
+                _, f_b = triton_scan.scan_steps(init_z, flagged, cu_z, runs, E + N, outputs=got_o, max_run=run_len,
+                                                **kw)
+                assert torch.equal(got_o, want_o), (first, kw)
+            else:
+                b_a, f_a = triton_scan.scan_steps(init_z, tbl, cu_z, runs, E + N, **kw)
+                b_b, f_b = triton_scan.scan_steps(init_z, flagged, cu_z, runs, E + N, **kw)
+                at = [m for m in order[first:5].tolist() if m >= E]      # the runs' before slots (others unwritten)
+                assert torch.equal(b_b[at], b_a[at]), (first, kw)
+            assert torch.equal(f_b, f_a), (first, kw)
+    _, f_0 = sc.scan_dense_reference(init_z.double(), T.double(), S.double(), cu_z, order, runs.double())
+    assert rel(f_b, f_0) < 1e-6, first
 one = torch.tensor([0, 1, 1], dtype=torch.int32)  # a one-step chain and an empty one
 b1, f1 = triton_scan.scan_steps(init, steps, one, runs, E + N, prefetch=True)
 bo, fo = sc.scan_dense_reference(init.double(), T.double(), S.double(), one, order, runs.double())
@@ -950,6 +975,13 @@ b0, f0 = sc.scan_dense_reference(init_f.double(), torch.stack(T_f).double(), tor
                                  order_f, factors_to_dense(S_r, F_r).double())
 b1, f1 = triton_scan.scan_steps(init_f, torch.tensor(rows_f, dtype=torch.int64), cu_f, S_r, 2 + nr, factors=F_r)
 assert rel(f1, f0) < 1e-6 and rel(b1[2:], b0[2:]) < 1e-6
+init_fz = init_f.clone()                            # from zero, the first (factored) run's row flagged
+init_fz[0] = 0
+rows_fz = torch.tensor(rows_f, dtype=torch.int64)
+b_a, f_a = triton_scan.scan_steps(init_fz, rows_fz, cu_f, S_r, 2 + nr, factors=F_r)
+rows_fz[0, 2] |= STEP_FROM_ZERO
+b_b, f_b = triton_scan.scan_steps(init_fz, rows_fz, cu_f, S_r, 2 + nr, factors=F_r)
+assert torch.equal(f_b, f_a) and torch.equal(b_b[[2, 3, 4]], b_a[[2, 3, 4]])
 # the cached maps pre-split (T's tf32 part at column 0, the rest at column 6): scan_steps(split=True)
 T_hi, T_lo = zip(*(triton_scan.split_tf32(t) for t in T_f))
 assert all(torch.equal(a + b, t) for a, b, t in zip(T_hi, T_lo, T_f))

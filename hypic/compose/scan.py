@@ -14,6 +14,12 @@ import torch
 
 from .transition import Form, Transition, compose
 
+# the Triton scan's step table (ops/triton_scan.py `scan_steps`), its kind column (2): bit 0 set for a run's map (else a
+# cached segment's); STEP_FROM_ZERO set on a chain's first step only where the state entering it is zero (the chain's
+# init must be), so the step is x <- S: the product T 0 and a run's correction (+ 0) are left out, the result the same
+# to the bit (a compose pass without a cached prefix: one step of ~20 a layer on the 35B benchmark's request)
+STEP_FROM_ZERO = 2
+
 
 def scan_chain(init: torch.Tensor, maps: list, *, exact: list[bool] | None = None):
     """init [H, K, V]; maps [(Transition, S)]. Returns (states before each map, final state)."""

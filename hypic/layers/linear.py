@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..cache.entry import LinearSummary
+from ..compose.scan import STEP_FROM_ZERO
 from ..compose.transition import Form, Transition, compose, zero_start
 from ..ops.reference.gated_delta import factor_width, factors_to_dense, values_to_state
 from ..runtime.batch import Apply, ForwardBatch, Run
@@ -234,6 +235,8 @@ class LinearMixer(nn.Module):
                 pairs = buf["pairs_host"].numpy()      # run i: (T_e, S_e addresses or 0, i, is a pad run, ...)
                 pairs[:, :2] = addr[after] * has
                 pairs[:, 2:4] = cols
+            if CHAIN_FROM_ZERO and st is None and rows.shape[0]:
+                rows[0, 2] |= STEP_FROM_ZERO         # the first chain starts from zero: its first step is its S
         else:
             torch.stack([p.T.t for p in parts], out=buf["T"][:e])
             torch.stack([p.S for p in parts], out=buf["S"][:e])
@@ -855,6 +858,11 @@ LOWRANK_PAIRS = True
 # the warm request's 26 runs). Written and checked in Triton's interpreter after run 99; off until a GPU has run it
 # (gpu_bench's variant `pairs_skip_pads`).
 SKIP_PAD_PAIRS = False
+# A request without a cached prefix: its chain's first step marked as from zero (compose/scan.py STEP_FROM_ZERO), so the
+# scan takes its S without the product T 0 (one step of the warm 35B request's ~20 a layer; the same result to the
+# bit). Prediction before a GPU has run it (thirty-fifth session): -0.15 to -0.3 ms; gpu_bench's variant
+# `chain_from_init`.
+CHAIN_FROM_ZERO = True
 
 
 def _chained(batch) -> bool:

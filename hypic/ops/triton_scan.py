@@ -34,6 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..compose.scan import STEP_FROM_ZERO
+
+_FROM_ZERO = tl.constexpr(STEP_FROM_ZERO)
+
 from .tuning import tuned_config
 
 
@@ -178,7 +182,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
     row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
-    is_run = tl.load(row + 2) != 0
+    is_run = (tl.load(row + 2) & 1) != 0
     base = tl.where(is_run, a_addr, 0)
     if FACTORS:
         sp = (sv + base).to(tl.pointer_type(tl.float32))
@@ -230,9 +234,26 @@ def _dense_next(j, j1, steps, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m
     row = steps + tl.minimum(j, j1 - 1).to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
-    is_run = tl.load(row + 2) != 0
+    is_run = (tl.load(row + 2) & 1) != 0
     t, s = _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
     return t, s, is_run
+
+
+@triton.jit
+def _step_s(row, a_addr, h, off_kv, off_as, m_kv, K: tl.constexpr, V: tl.constexpr, FACTORS: tl.constexpr,
+            EVEN: tl.constexpr):
+    """A step's S block [K, BV] alone (its T not read): where `_chain_step` and `_dense_map` read it."""
+    sv = tl.load(row + 1)
+    is_run = (tl.load(row + 2) & 1) != 0
+    base = tl.where(is_run, a_addr, 0)
+    if FACTORS:
+        s = tl.load((sv + base).to(tl.pointer_type(tl.float32)) + h * (K * V) + off_kv, mask=m_kv, other=0.0)
+    else:           # (one return: the compiler refused a function with a return in each branch, H100 run 111)
+        if is_run:
+            s = _load_block((sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K)) + off_as, m_kv, EVEN)
+        else:
+            s = _load_block(sv.to(tl.pointer_type(tl.float32)) + h * (K * V) + off_kv, m_kv, EVEN)
+    return s
 
 
 @triton.jit
@@ -257,6 +278,16 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
     x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     j0 = tl.load(cu + r)
     j1 = tl.load(cu + r + 1)
+    if j0 < j1:
+        row0 = steps + j0.to(tl.int64) * W
+        if (tl.load(row0 + 2) & _FROM_ZERO) != 0:
+            # the chain starts from a zero state (its init is zero: the table's promise): its first step is its S,
+            # with no product; a run's correction would add zero (CORRECT: skipped), its `before` slot is zero
+            if not CORRECT:
+                _correct_or_keep(x, (tl.load(row0 + 2) & 1) != 0, row0, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
+                                 m_kv, H, K, V, PREC, CORRECT, BT)
+            x = _step_s(row0, a_addr, h, off_kv, off_as, m_kv, K, V, FACTORS, EVEN)
+            j0 += 1
     if PREFETCH:                # dense maps: each step's map loaded during the step before it, by hand
         if j0 < j1:
             t_n, s_n, run_n = _dense_next(j0, j1, steps, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V,
@@ -387,6 +418,8 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     outputs (optional, needs the 6-column table): the run summaries' outputs [N, H, V + K] (o_t(0) in the first
     V columns, u_t in the last K), corrected in place to the runs' true initial states, o_t = o_t(0) +
     S0^T u_t, runs of at most max_run tokens; `before` is then not written.
+    A chain's first row may carry STEP_FROM_ZERO (compose/scan.py) in its kind column (0 or 1 | 2): its init is then
+    zero, and the step is x <- S (no product, no correction; its `before` slot written zero).
     split (with factors; a 7-column table or wider): each cached map comes pre-split (`split_tf32`), its T address
     (column 0) naming T's tf32 part and column 6 the rest, and its step is three tf32 products of those with the
     state's two parts, so no split of T happens in the step and both parts can feed the products from shared memory
