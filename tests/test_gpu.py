@@ -707,6 +707,28 @@ def test_cuda_graph_compose_order_from_entries():
 
 
 @cuda
+def test_cuda_graph_compose_chain_from_zero():
+    """CHAIN_FROM_ZERO (layers/linear.py): where a request holds no state, its chain's first step is marked in the step
+    table and the scan takes that step's S without the product T 0 (compose/scan.py STEP_FROM_ZERO). Requests without a
+    prefix, and with one (a prefix cached after the first of them: the chain then starts from its state, unmarked),
+    captured and replayed, decode after them; against the mark off. fp32, the same kernels on the same values (the
+    skipped product is T 0 = 0): 1e-5 on the logits, as for the in-place reads."""
+    from hypic import Prompt
+    from hypic.layers import linear as lin
+
+    segs = [list(range(3, 40)), list(range(50, 90)), list(range(120, 200))]
+    ps = [Prompt(prefix=pre, segments=[segs[i] for i in o], query=list(range(100, 141)))
+          for pre in (None, [5, 6, 7, 8]) for o in ((0, 1, 2), (2, 0, 1), (1, 2, 0))]
+    got = _with_flags([(lin, "CHAIN_FROM_ZERO")], (False, True), ps, 3)
+    for on, (_, llm) in got.items():
+        comp = llm.engine.composer
+        assert comp.captures >= 1 and comp.replays >= 1
+    for a, b in zip(got[False][0], got[True][0]):
+        assert a.token_ids == b.token_ids
+        assert rel(b.logits, a.logits) < 1e-5
+
+
+@cuda
 def test_cuda_graph_compose_fills_beside_the_pass():
     """SIDE_FILL (runtime/compose_graph.py) with ORDER_AHEAD (layers/attention.py): on replays in pieces, every fill
     after the first runs on a side stream beside the pieces before it (the cached keys' copies, their placing and
