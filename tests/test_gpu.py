@@ -37,6 +37,46 @@ def _run_in_interpreter(code: str) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+@needs_triton
+def test_compose_kernels_build_for_sm90():
+    """No GPU needed (CI has triton): every configuration of the compose pass's Triton kernels that the runtime may
+    launch (the chain scan's tuner configurations in the compose pass's form, dense and factored; the attention, its
+    fold, the pair maps, the query tail, the key ordering, the experts, the summaries: benchmarks/kernel_resources.py's
+    builds) compiles for sm_90a with the ptxas Triton ships, at most 255 registers; the defaults also fit the H200's
+    shared memory. Triton's interpreter runs source the compiler may refuse: H100 run 111 found the chain's from-zero
+    prologue (a helper with a return in each branch of an `if`) unbuildable only on the device. A subprocess: the
+    builds import triton for a compile target, not the interpreter."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU builds and runs the kernels itself (the tests above)")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = r'''
+import sys
+sys.path.insert(0, "benchmarks")
+import kernel_resources as kr
+from hypic.ops import triton_scan as ts
+for bv, w, st in ts._CONFIGS:                      # the compose pass's form (corrected outputs), every tuner pick
+    for factors in (False, True):
+        r = kr.scan_build(bv=bv, warps=w, stages=st, factors=factors)
+        assert r["registers"] is not None and r["registers"] <= 255, (bv, w, st, factors, r)
+import torch
+default = kr.scan_build(*ts._default(1, 32, 128, torch.device("cpu")))
+assert default["shared"] <= kr.SMEM_LIMIT, default
+rows = kr.other_builds()
+assert len(rows) > 40
+for name, cfg, (regs, spill, shared) in rows:
+    assert regs is not None and regs <= 255 and shared <= kr.SMEM_LIMIT, (name, cfg, regs, shared)
+print("ok")
+'''
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-3000:])
+
+
 def test_gpu_modules_import_everywhere():
     importlib.import_module("hypic.ops.fast")
     importlib.import_module("hypic.compose.scan")

@@ -855,13 +855,13 @@ RUN_FACTORS = False
 # On since; gpu_bench's variant `runs_dense`.
 LOWRANK_PAIRS = True
 # With the pairs, the pad runs' maps left unmade when the scan corrects the outputs itself (no chain reads them; 2 of
-# the warm request's 26 runs). Written and checked in Triton's interpreter after run 99; off until a GPU has run it
-# (gpu_bench's variant `pairs_skip_pads`).
+# the warm request's 26 runs). Written and checked in Triton's interpreter after run 99; H100 run 102, paired (gpu_bench's
+# variant `pairs_skip_pads`): +0.17 ms (predicted -0.05 to -0.3): off.
 SKIP_PAD_PAIRS = False
 # A request without a cached prefix: its chain's first step marked as from zero (compose/scan.py STEP_FROM_ZERO), so the
 # scan takes its S without the product T 0 (one step of the warm 35B request's ~20 a layer; the same result to the
-# bit). Prediction before a GPU has run it (thirty-fifth session): -0.15 to -0.3 ms; gpu_bench's variant
-# `chain_from_init`.
+# bit). H100 run 112, paired against it off (gpu_bench's variant `chain_from_init`): -0.11 ms on the warm request, the
+# scan kernel -0.22 ms (prediction -0.15 to -0.3 ms).
 CHAIN_FROM_ZERO = True
 
 

@@ -32,13 +32,14 @@ from .tuning import tuned_config
 
 # the experts' weight tiles read by tensor descriptors (TMA on sm_90+: one bulk copy per tile instead of the
 # threads' own address arithmetic and 16-byte loads) where the weights allow it (rows of a multiple of 16 bytes);
-# False: by pointers, as before the thirty-second session (benchmarks/moe_bench.py times both)
+# False: by pointers, as before the thirty-second session (benchmarks/moe_bench.py times both). H100 run 109, paired on
+# the warm request (gpu_bench's `moe_tma`): +0.04 ms (the pointer form already at ~93% of the copy rate): off
 TMA_WEIGHTS = False
 
 # where most experts have rows (n * k >= E: a warm pic request's few hundred tokens, not decode), the two kernels in
 # a fixed number of programs, each walking its tiles' K steps as one pipelined loop (`_gate_up_persistent`,
-# `_down_persistent`), configurations from _PERSIST_CONFIGS; False: a program per tile (thirty-second session; not
-# yet run on a GPU: benchmarks/moe_bench.py times both)
+# `_down_persistent`), configurations from _PERSIST_CONFIGS; False: a program per tile (thirty-second session;
+# benchmarks/moe_bench.py times both). H100 run 109, paired on the warm request (`moe_persistent`): +1.60 ms: off
 PERSISTENT = False
 
 # the combine by one kernel (twenty-ninth session); False: a sum over the k rows, a cast, and the shared expert's

@@ -35,10 +35,9 @@ import triton
 import triton.language as tl
 
 from ..compose.scan import STEP_FROM_ZERO
-
-_FROM_ZERO = tl.constexpr(STEP_FROM_ZERO)
-
 from .tuning import tuned_config
+
+_FROM_ZERO = tl.constexpr(STEP_FROM_ZERO)          # (a module global a kernel reads must be a constexpr)
 
 
 @triton.jit
