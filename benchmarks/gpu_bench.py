@@ -426,9 +426,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
         # the experts' weights read by tensor descriptors (TMA) or by pointers (32nd session; the tuner keeps each
         # form's picks apart)
         variants += [("moe_tma" if not _tm.TMA_WEIGHTS else "moe_by_pointers",
-                      flag(_tm, "TMA_WEIGHTS", not _tm.TMA_WEIGHTS), {}),
-                     ("moe_persistent" if not _tm.PERSISTENT else "moe_program_per_tile",
-                      flag(_tm, "PERSISTENT", not _tm.PERSISTENT), {})]
+                      flag(_tm, "TMA_WEIGHTS", not _tm.TMA_WEIGHTS), {})]
     if _ts is not None:             # each chain step's map loaded during the step before it (twenty-third session)
         variants += [("scan_prefetch", flag(_ts, "PREFETCH", True), {})]
     try:

@@ -608,7 +608,7 @@ def check_moe(dev):
             times[name] = a.elapsed_time(b) / 20
         fast.MOE_FEW_ROWS = True
         wbytes = used * 3 * hd * i * 2
-        tuned = {kk[0]: v[0] for kk, v in triton_moe.TUNED.items() if kk[6] == triton_moe._bucket(max(1, n * k // e))}
+        tuned = {kk[0]: v[0] for kk, v in triton_moe.TUNED.items() if kk[-3] == triton_moe._bucket(max(1, n * k // e))}
         print(f"   MoE n={n} ({used} experts, {wbytes / 1e9:.2f} GB of weights): grouped_mm {times['grouped_mm']:.3f} ms "
               f"({wbytes / times['grouped_mm'] / 1e9:.2f} TB/s), triton {times['triton']:.3f} ms "
               f"({wbytes / times['triton'] / 1e9:.2f} TB/s); tuned {tuned}", flush=True)

@@ -127,22 +127,18 @@ def other_builds():
         rows.append(("order_keys", "entries by address" if ent else "packed", kernel_build(
             tp._order_kernel, order, dict(W=512, WV=512, D=256, R=64, HALF=32, BW=512, BWV=512, BR=8, PLACE=True,
                                           ENTRIES=ent, LOGE=5, EW=6), 8)))
-    # the routed experts (32nd session): each kernel, a program per tile and persistent, its weights by pointers and by
-    # tensor descriptors (TMA), at the 35B shape (H 2,048, I 512, top 8)
+    # the routed experts (32nd session): each kernel and configuration, its weights by pointers and by tensor
+    # descriptors (TMA), at the 35B shape (H 2,048, I 512, top 8)
     moe = {"gate_up": (dict(x="*bf16", order="*i64", offs="*i32", w="*bf16", h="*bf16", s_x="i32", s_we="i32",
-                            s_wn="i32", s_h="i32"), tm._gate_up_kernel, tm._gate_up_persistent, 512),
+                            s_wn="i32", s_h="i32"), tm._gate_up_kernel),
            "down": (dict(h="*bf16", order="*i64", offs="*i32", wts="*bf16", w="*bf16", ys="*bf16", s_h="i32",
-                         s_we="i32", s_wn="i32", s_y="i32"), tm._down_kernel, tm._down_persistent, 2048)}
-    for kind, (sig0, plain, persistent, cols) in moe.items():
-        for cfg in tm._CONFIGS[kind] + tm._PERSIST_CONFIGS[kind]:
-            bm, bn, bk, w, st = cfg[:5]
+                         s_we="i32", s_wn="i32", s_y="i32"), tm._down_kernel)}
+    for kind, (sig0, fn) in moe.items():
+        for cfg in tm._CONFIGS[kind]:
+            bm, bn, bk, w, st = cfg
             for desc in (False, True):
                 sig = dict(sig0, w=f"tensordesc<bf16[{bn},{bk}]>") if desc else dict(sig0)
                 const = dict(H=2048, I=512, TOPK=8, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=None, DESC=desc)
-                fn = plain
-                if len(cfg) > 5:
-                    sig.update(E="i32", nprog="i32")
-                    const["NB"], fn = cols // bn, persistent
                 rows.append((f"moe {kind}", f"{cfg}{', tma' if desc else ''}", kernel_build(
                     fn, sig, const, w, st, divisible={"s_x", "s_we", "s_wn", "s_h", "s_y"})))
     summ = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", cu="*i32", o="*bf16", final="*fp32",

@@ -2,13 +2,14 @@
 
 A warm `pic` request spends about half its GPU time in the routed experts (H200 run 107: 16.6 of 35.2 ms, the
 weights read at ~3.9 TB/s against a copy rate of 4.2). This times ops/triton_moe.py's gate_up and down kernels one
-by one, for every configuration of its tuner lists (a program per tile, and the persistent form: `PERSISTENT`, "+P"),
+by one, for every configuration of its tuner lists (a program per tile; a persistent form was removed after gpu_bench's H100
+run 109 measured it +1.60 ms on the warm request),
 with the weights read by pointers and by tensor descriptors (`TMA_WEIGHTS`), over several layers' weights in turn (as the model reads them), and beside them the rates at which
 the GPU reads and copies plain memory:
 
     python benchmarks/moe_bench.py [--tokens 224,8,1] [--layers 4] [--reps 20] [--out DIR]
 
-Each row: a kernel, a form, a configuration (BM, BN, BK, warps, stages[, programs per SM]), microseconds per launch (median of
+Each row: a kernel, a form, a configuration (BM, BN, BK, warps, stages), microseconds per launch (median of
 rounds), and the rate at which it reads the weights of the experts in use. Every configuration's output is
 compared with the pointer form's first configuration (1e-2 relative: bf16 rows; a broken build is far off).
 Writes moe_bench.json."""
@@ -101,8 +102,7 @@ def main():
         wbytes = {"gate_up": used * 2 * INTER * HD * 2, "down": used * HD * INTER * 2}
         ref = {}
         for kind in ("gate_up", "down"):
-            # a program per tile (5-entry configurations), then the persistent form (6 entries: programs per SM)
-            cfgs = triton_moe._CONFIGS[kind] + triton_moe._PERSIST_CONFIGS[kind]
+            cfgs = triton_moe._CONFIGS[kind]
             for desc in (False, True):
                 rl = runs[desc]
                 if desc and not rl[0].desc:
@@ -112,7 +112,7 @@ def main():
                     for r_ in rl:                        # the down kernel reads hbuf: each layer's, made once
                         r_.up(triton_moe._CONFIGS["gate_up"][0])
                 for cfg in cfgs:
-                    form = ("tma" if desc else "ptr") + ("+P" if len(cfg) > 5 else "")
+                    form = "tma" if desc else "ptr"
                     launch = (lambda r, c=cfg: rl[r % len(rl)].up(c)) if kind == "gate_up" else \
                         (lambda r, c=cfg: rl[r % len(rl)].down(c))
                     try:
@@ -135,7 +135,7 @@ def main():
                                             rel_vs_first=err, experts_used=used, weight_bytes=wbytes[kind]))
         best = {}
         for kind in ("gate_up", "down"):
-            for form in ("ptr", "tma", "ptr+P", "tma+P"):
+            for form in ("ptr", "tma"):
                 rows = [r for r in out["rows"] if r["tokens"] == n and r["kernel"] == kind and r["form"] == form
                         and "us" in r and r["rel_vs_first"] < 1e-2]
                 if rows:

@@ -36,11 +36,8 @@ from .tuning import tuned_config
 # the warm request (gpu_bench's `moe_tma`): +0.04 ms (the pointer form already at ~93% of the copy rate): off
 TMA_WEIGHTS = False
 
-# where most experts have rows (n * k >= E: a warm pic request's few hundred tokens, not decode), the two kernels in
-# a fixed number of programs, each walking its tiles' K steps as one pipelined loop (`_gate_up_persistent`,
-# `_down_persistent`), configurations from _PERSIST_CONFIGS; False: a program per tile (thirty-second session;
-# benchmarks/moe_bench.py times both). H100 run 109, paired on the warm request (`moe_persistent`): +1.60 ms: off
-PERSISTENT = False
+# (a persistent form of both kernels, each program walking its tiles' K steps as one pipelined loop, was measured and
+# removed: H100 run 109, paired on the warm request, +1.60 ms; code at git c02740f)
 
 # the combine by one kernel (twenty-ninth session); False: a sum over the k rows, a cast, and the shared expert's
 # sigmoid, product and sum by PyTorch ops (gpu_bench's variant moe_combine_by_torch)
@@ -154,150 +151,6 @@ def _down_kernel(h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H: tl.constex
 
 
 @triton.jit
-def _tile(pid, ti, nprog, NB: tl.constexpr, offs):
-    """A persistent program's ti-th tile (expert e, column block nb: tiles pid, pid + nprog, ... in expert-major
-    order) and the expert's rows r0 .. r1 - 1."""
-    t = pid + ti * nprog
-    e = t // NB
-    r0, r1 = _expert_rows(offs, e)
-    return e, t - e * NB, r0, r1
-
-
-@triton.jit
-def _step_operands(it, pid, nprog, offs, order, act, s_act, NB: tl.constexpr, KT: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr, KDIM: tl.constexpr, NCOL: tl.constexpr,
-                   BY_TOKEN: tl.constexpr):
-    """What step `it` of a persistent program works on: its tile (expert e, column block nb; the expert's rows r0 ..
-    r1 - 1, the first BM of them), the K offset k0, and the activations' [BK, BM] tile: x's rows by token (BY_TOKEN,
-    gate / up) or h's by sorted row (down); the tile's columns rn and their mask."""
-    ti = it // KT
-    k0 = (it - ti * KT) * BK
-    e, nb, r0, r1 = _tile(pid, ti, nprog, NB, offs)
-    rows, mr, a, tok = _rows(order, r0, r1, BM, TOPK)
-    rk = tl.arange(0, BK)
-    mk = (k0 + rk) < KDIM
-    src = tok if BY_TOKEN else rows
-    at = tl.load(act + src[None, :].to(tl.int64) * s_act + (k0 + rk)[:, None], mask=mk[:, None] & mr[None, :],
-                 other=0.0)
-    rn = nb * BN + tl.arange(0, BN)
-    return e, nb, r0, r1, rows, mr, a, k0, rk, mk, at, rn, rn < NCOL
-
-
-@triton.jit
-def _gate_up_step(it, acc_g, acc_u, pid, nprog, x, order, offs, w, h, s_x, s_we, s_wn, s_h, H: tl.constexpr,
-                  I: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  PREC: tl.constexpr, DESC: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr):
-    """Step `it` of a persistent gate / up program: K step it % KT of its tile it // KT (the first BM rows), the
-    tile's rows written at its last K step and the sums reset."""
-    e, nb, r0, r1, rows, mr, a, k0, rk, mk, xt, rn, mn = _step_operands(it, pid, nprog, offs, order, x, s_x, NB, KT,
-                                                                        BM, BN, BK, TOPK, H, I, True)
-    if DESC:
-        g_row = e * (2 * I) + nb * BN
-        g = w.load([g_row, k0])
-        u = w.load([g_row + I, k0])
-    else:                       # (an expert without rows: its weights not read)
-        live = mn[:, None] & mk[None, :] & (r1 > r0)
-        wg = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + (k0 + rk)[None, :]
-        g = tl.load(wg, mask=live, other=0.0)
-        u = tl.load(wg + I * s_wn, mask=live, other=0.0)
-    acc_g = tl.dot(g, xt, acc_g, input_precision=PREC)
-    acc_u = tl.dot(u, xt, acc_u, input_precision=PREC)
-    if k0 + BK >= H:                                        # the tile's last K step: its rows out, the sums reset
-        y = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h + rows[None, :].to(tl.int64) * s_h + rn[:, None], y.to(h.dtype.element_ty),
-                 mask=mn[:, None] & mr[None, :])
-        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _gate_up_persistent(x, order, offs, w, h, s_x, s_we, s_wn, s_h, E, nprog, H: tl.constexpr, I: tl.constexpr,
-                        TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        STAGES: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr, NB: tl.constexpr):
-    """`_gate_up_kernel`'s work in nprog programs (the grid), each walking its tiles' K steps as one pipelined loop
-    (a tile's first weight loads issued during the tile before it: no pipeline drained and refilled per tile); an
-    expert's rows past its first BM, rare at a few rows per expert, then by `_gate_up_rows`. (STAGES 1, Triton's
-    interpreter: a plain loop, which can take a bound read from memory.)"""
-    pid = tl.program_id(0)
-    KT: tl.constexpr = (H + BK - 1) // BK
-    mine = tl.cdiv(E * NB - pid, nprog)
-    acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-    acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-    if STAGES > 1:
-        for it in tl.range(0, mine * KT, num_stages=STAGES):
-            acc_g, acc_u = _gate_up_step(it, acc_g, acc_u, pid, nprog, x, order, offs, w, h, s_x, s_we, s_wn, s_h,
-                                         H, I, TOPK, BM, BN, BK, PREC, DESC, NB, KT)
-    else:
-        it = 0
-        while it < mine * KT:
-            acc_g, acc_u = _gate_up_step(it, acc_g, acc_u, pid, nprog, x, order, offs, w, h, s_x, s_we, s_wn, s_h,
-                                         H, I, TOPK, BM, BN, BK, PREC, DESC, NB, KT)
-            it += 1
-    ti = 0
-    while ti < mine:
-        e, nb, r0, r1 = _tile(pid, ti, nprog, NB, offs)
-        m0 = r0 + BM
-        while m0 < r1:
-            _gate_up_rows(x, order, w, h, e, nb, m0, r1, s_x, s_we, s_wn, s_h, H, I, TOPK, BM, BN, BK, STAGES, PREC,
-                          DESC)
-            m0 += BM
-        ti += 1
-
-
-@triton.jit
-def _down_step(it, acc, pid, nprog, h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H: tl.constexpr,
-               I: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr, DESC: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr):
-    """Step `it` of a persistent down program (as `_gate_up_step`): each row times its routing weight at the end."""
-    e, nb, r0, r1, rows, mr, a, k0, rk, mk, ht, rn, mn = _step_operands(it, pid, nprog, offs, order, h, s_h, NB, KT,
-                                                                        BM, BN, BK, TOPK, I, H, False)
-    if DESC:
-        d = w.load([e * H + nb * BN, k0])
-    else:
-        wp = w + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + (k0 + rk)[None, :]
-        d = tl.load(wp, mask=mn[:, None] & mk[None, :] & (r1 > r0), other=0.0)
-    acc = tl.dot(d, ht, acc, input_precision=PREC)
-    if k0 + BK >= I:
-        wt = tl.load(wts + a, mask=mr, other=0.0).to(tl.float32)
-        acc = acc * wt[None, :]
-        tl.store(ys + a[None, :].to(tl.int64) * s_y + rn[:, None], acc.to(ys.dtype.element_ty),
-                 mask=mn[:, None] & mr[None, :])
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _down_persistent(h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, E, nprog, H: tl.constexpr, I: tl.constexpr,
-                     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                     PREC: tl.constexpr, DESC: tl.constexpr, NB: tl.constexpr):
-    """`_down_kernel`'s work as `_gate_up_persistent` does its own (the down tiles are only I / BK K steps long)."""
-    pid = tl.program_id(0)
-    KT: tl.constexpr = (I + BK - 1) // BK
-    mine = tl.cdiv(E * NB - pid, nprog)
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    if STAGES > 1:
-        for it in tl.range(0, mine * KT, num_stages=STAGES):
-            acc = _down_step(it, acc, pid, nprog, h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H, I, TOPK, BM,
-                             BN, BK, PREC, DESC, NB, KT)
-    else:
-        it = 0
-        while it < mine * KT:
-            acc = _down_step(it, acc, pid, nprog, h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H, I, TOPK, BM,
-                             BN, BK, PREC, DESC, NB, KT)
-            it += 1
-    ti = 0
-    while ti < mine:
-        e, nb, r0, r1 = _tile(pid, ti, nprog, NB, offs)
-        m0 = r0 + BM
-        while m0 < r1:
-            _down_rows(h, order, wts, w, ys, e, nb, m0, r1, s_h, s_we, s_wn, s_y, H, I, TOPK, BM, BN, BK, STAGES,
-                       PREC, DESC)
-            m0 += BM
-        ti += 1
-
-
-@triton.jit
 def _combine_kernel(ys, sg, so, out, s_so, s_sg, H: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr,
                     BH: tl.constexpr):
     t = tl.program_id(0)
@@ -346,18 +199,13 @@ _CONFIGS = {
              (16, 128, 64, 4, 4), (16, 32, 128, 4, 4), (16, 64, 128, 4, 2), (16, 128, 128, 4, 2),
              (16, 64, 64, 4, 4)),
 }
-# the persistent kernels' (BM, BN, BK, warps, stages, programs per SM)
-_PERSIST_CONFIGS = {
-    "gate_up": ((16, 64, 128, 4, 4, 1), (16, 64, 128, 4, 3, 2), (16, 64, 64, 4, 6, 2), (16, 128, 64, 8, 4, 1)),
-    "down": ((16, 64, 128, 4, 4, 2), (16, 128, 128, 4, 3, 1), (16, 64, 64, 4, 6, 2), (16, 128, 64, 4, 4, 2)),
-}
 TUNED: dict = {}                 # (kernel, shape key) -> (config, {config: ms}) (benchmarks print them)
 
 
-def _tuned(key, device, launch, out, kind: str, persist: bool = False):
+def _tuned(key, device, launch, out, kind: str):
     """The fastest configuration of `kind` for this shape (ops/tuning.py); 1e-2 relative tells a broken build
     from bf16 rounding."""
-    cfgs = (_PERSIST_CONFIGS if persist else _CONFIGS)[kind]
+    cfgs = _CONFIGS[kind]
     return tuned_config(TUNED, key, cfgs, device, launch, out, cfgs[0], 1e-2)
 
 
@@ -404,45 +252,25 @@ class _Launch:
         self.n, self.k, self.e, self.i, self.hd = n, k, e, i, hd
         self.key = (e, hd, i, k, _bucket(max(1, n * k // max(e, 1))), x.dtype, self.desc)
 
-    programs = None             # (tests: the persistent kernels' program count, instead of per SM x the SMs)
-
-    def _grid(self, tiles: int, per_sm: int) -> tuple:
-        from .triton_scan import _sm_count
-
-        return (max(1, min(tiles, self.programs or per_sm * _sm_count(self.x.device))),)
-
     def up(self, cfg):
-        """The gate / up kernel: a 5-entry configuration a program per tile, a 6-entry one (its last: programs per
-        SM) the persistent form."""
-        bm, bn, bk, w, st = cfg[:5]
+        """The gate / up kernel, a program per tile: cfg (BM, BN, BK, warps, stages)."""
+        bm, bn, bk, w, st = cfg
         gu, e, i, hd = self.w_up, self.e, self.i, self.hd
         wt = _desc(gu.view(e * 2 * i, hd), bn, bk) if self.desc else gu
         args = (self.x, self.order, self.offs, wt, self.hbuf, self.x.stride(0), gu.stride(0), gu.stride(1),
                 self.hbuf.stride(0))
         kw = dict(H=hd, I=i, TOPK=self.k, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=self.prec, DESC=self.desc, num_warps=w)
-        nb = triton.cdiv(i, bn)
-        if len(cfg) > 5:
-            grid = self._grid(e * nb, cfg[5])
-            kw["STAGES"] = st if self.x.is_cuda else 1          # (the interpreter: the plain loop)
-            _gate_up_persistent[grid](*args, e, grid[0], NB=nb, **kw)
-        else:
-            _gate_up_kernel[(e, nb)](*args, **kw)
+        _gate_up_kernel[(e, triton.cdiv(i, bn))](*args, **kw)
 
     def down(self, cfg):
         """The down kernel (configurations as `up`'s)."""
-        bm, bn, bk, w, st = cfg[:5]
+        bm, bn, bk, w, st = cfg
         dn, e, i, hd = self.w_down, self.e, self.i, self.hd
         wt = _desc(dn.view(e * hd, i), bn, bk) if self.desc else dn
         args = (self.hbuf, self.order, self.offs, self.wts, wt, self.ys, self.hbuf.stride(0), dn.stride(0),
                 dn.stride(1), self.ys.stride(0))
         kw = dict(H=hd, I=i, TOPK=self.k, BM=bm, BN=bn, BK=bk, STAGES=st, PREC=self.prec, DESC=self.desc, num_warps=w)
-        nb = triton.cdiv(hd, bn)
-        if len(cfg) > 5:
-            grid = self._grid(e * nb, cfg[5])
-            kw["STAGES"] = st if self.x.is_cuda else 1
-            _down_persistent[grid](*args, e, grid[0], NB=nb, **kw)
-        else:
-            _down_kernel[(e, nb)](*args, **kw)
+        _down_kernel[(e, triton.cdiv(hd, bn))](*args, **kw)
 
 
 def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: bool = True, configs=None,
@@ -453,23 +281,19 @@ def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: b
     down [E, H, I]; order [n*k]: row r of the sorted layout is choice order[r] (= t * k + j); offs [E]
     int32: expert e's rows end at offs[e] (inclusive cumulative counts). -> y [n, H] in x's dtype,
     y_t = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = experts[t, j].
-    configs: (gate_up config, down config) to use instead of the tuned ones (tests, benchmarks; 6 entries: the
-    persistent form's).
+    configs: (gate_up config, down config) to use instead of the tuned ones (tests, benchmarks).
     shared: (gate [n, 1], out [n, H]) of a shared expert, added as sigmoid(gate) * out (`combine`).
     desc: the weights read by tensor descriptors (None: the module's TMA_WEIGHTS, where `_descriptors_apply`)."""
     run = _Launch(x, weights, experts, gate_up, down, order, offs, desc)
-    persist = PERSISTENT and run.n * run.k >= run.e          # (most experts have rows: no tile idles)
-    table, form = (_PERSIST_CONFIGS, "persist") if persist else (_CONFIGS, "tile")
     if configs is not None:
         cu, cd = configs
     elif tune:
-        cu = _tuned(("gate_up", form) + run.key, x.device, run.up, run.hbuf, "gate_up", persist)
+        cu = _tuned(("gate_up",) + run.key, x.device, run.up, run.hbuf, "gate_up")
     else:
-        cu = table["gate_up"][0]
+        cu = _CONFIGS["gate_up"][0]
     run.up(cu)
     if configs is None:
-        cd = (_tuned(("down", form) + run.key, x.device, run.down, run.ys, "down", persist) if tune
-              else table["down"][0])
+        cd = _tuned(("down",) + run.key, x.device, run.down, run.ys, "down") if tune else _CONFIGS["down"][0]
     run.down(cd)
     # each token's k rows summed in fp32 (and the shared expert's output added), rounded once
     n, k, hd = run.n, run.k, run.hd
