@@ -102,6 +102,25 @@ def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K:
 
 
 @triton.jit
+def _is_run(row):
+    """A step table row's kind (column 2, bit 0): a run's map, else a cached segment's (compose/scan.py STEP_FROM_ZERO
+    may be set beside it)."""
+    return (tl.load(row + 2) & 1) != 0
+
+
+@triton.jit
+def _dense_s(sv, is_run, a_addr, h, off_kv, off_as, m_kv, K: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr):
+    """A dense step's S block [K, BV]: a cached map's own S [H, K, V] (address sv), or a run's S columns of its
+    [S | T] rows [H, K, V + K] at byte offset sv from a_addr (one return: the compiler refused a helper with a return
+    in each branch, H100 run 111)."""
+    if is_run:
+        s = _load_block((sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K)) + off_as, m_kv, EVEN)
+    else:
+        s = _load_block(sv.to(tl.pointer_type(tl.float32)) + h * (K * V) + off_kv, m_kv, EVEN)
+    return s
+
+
+@triton.jit
 def _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K: tl.constexpr,
                V: tl.constexpr, EVEN: tl.constexpr):
     """A step's dense T [K, K] and S block [K, BV]: a cached map's own (T [H, K, K], S [H, K, V] at addresses
@@ -111,16 +130,10 @@ def _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, 
     than strides chosen per element at run time; run 34's profile had the integer pipe the busiest). EVEN: the
     blocks cover K and V exactly (no masks)."""
     if is_run:
-        tp = (tv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
-        sp = (sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K))
-        t = _load_block(tp + off_at, m_kk, EVEN)
-        s = _load_block(sp + off_as, m_kv, EVEN)
+        t = _load_block((tv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K)) + off_at, m_kk, EVEN)
     else:
-        tp = tv.to(tl.pointer_type(tl.float32)) + h * (K * K)
-        sp = sv.to(tl.pointer_type(tl.float32)) + h * (K * V)
-        t = _load_block(tp + off_kk, m_kk, EVEN)
-        s = _load_block(sp + off_kv, m_kv, EVEN)
-    return t, s
+        t = _load_block(tv.to(tl.pointer_type(tl.float32)) + h * (K * K) + off_kk, m_kk, EVEN)
+    return t, _dense_s(sv, is_run, a_addr, h, off_kv, off_as, m_kv, K, V, EVEN)
 
 
 @triton.jit
@@ -181,7 +194,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
     row = steps + j.to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
-    is_run = (tl.load(row + 2) & 1) != 0
+    is_run = _is_run(row)
     base = tl.where(is_run, a_addr, 0)
     if FACTORS:
         sp = (sv + base).to(tl.pointer_type(tl.float32))
@@ -233,7 +246,7 @@ def _dense_next(j, j1, steps, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m
     row = steps + tl.minimum(j, j1 - 1).to(tl.int64) * W
     tv = tl.load(row)
     sv = tl.load(row + 1)
-    is_run = (tl.load(row + 2) & 1) != 0
+    is_run = _is_run(row)
     t, s = _dense_map(tv, sv, is_run, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V, EVEN)
     return t, s, is_run
 
@@ -243,15 +256,12 @@ def _step_s(row, a_addr, h, off_kv, off_as, m_kv, K: tl.constexpr, V: tl.constex
             EVEN: tl.constexpr):
     """A step's S block [K, BV] alone (its T not read): where `_chain_step` and `_dense_map` read it."""
     sv = tl.load(row + 1)
-    is_run = (tl.load(row + 2) & 1) != 0
-    base = tl.where(is_run, a_addr, 0)
+    is_run = _is_run(row)
     if FACTORS:
-        s = tl.load((sv + base).to(tl.pointer_type(tl.float32)) + h * (K * V) + off_kv, mask=m_kv, other=0.0)
-    else:           # (one return: the compiler refused a function with a return in each branch, H100 run 111)
-        if is_run:
-            s = _load_block((sv + a_addr).to(tl.pointer_type(tl.float32)) + h * (K * (V + K)) + off_as, m_kv, EVEN)
-        else:
-            s = _load_block(sv.to(tl.pointer_type(tl.float32)) + h * (K * V) + off_kv, m_kv, EVEN)
+        s = tl.load((sv + tl.where(is_run, a_addr, 0)).to(tl.pointer_type(tl.float32)) + h * (K * V) + off_kv,
+                    mask=m_kv, other=0.0)
+    else:
+        s = _dense_s(sv, is_run, a_addr, h, off_kv, off_as, m_kv, K, V, EVEN)
     return s
 
 
@@ -283,7 +293,7 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
             # the chain starts from a zero state (its init is zero: the table's promise): its first step is its S,
             # with no product; a run's correction would add zero (CORRECT: skipped), its `before` slot is zero
             if not CORRECT:
-                _correct_or_keep(x, (tl.load(row0 + 2) & 1) != 0, row0, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
+                _correct_or_keep(x, _is_run(row0), row0, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
                                  m_kv, H, K, V, PREC, CORRECT, BT)
             x = _step_s(row0, a_addr, h, off_kv, off_as, m_kv, K, V, FACTORS, EVEN)
             j0 += 1
