@@ -429,6 +429,9 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                       flag(_tm, "TMA_WEIGHTS", not _tm.TMA_WEIGHTS), {})]
     if _ts is not None:             # each chain step's map loaded during the step before it (twenty-third session)
         variants += [("scan_prefetch", flag(_ts, "PREFETCH", True), {})]
+        # the chain's steps read through their table rows, not by position in the pairs' buffer (36th session)
+        variants += [("scan_by_table" if _ts.BY_POSITION else "scan_by_position",
+                      flag(_ts, "BY_POSITION", not _ts.BY_POSITION), {})]
     try:
         from hypic.ops import triton_attention as _ta
     except ImportError:

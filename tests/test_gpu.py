@@ -40,7 +40,8 @@ def _run_in_interpreter(code: str) -> None:
 @needs_triton
 def test_compose_kernels_build_for_sm90():
     """No GPU needed (CI has triton): every configuration of the compose pass's Triton kernels that the runtime may
-    launch (the chain scan's tuner configurations in the compose pass's form, dense and factored; the attention, its
+    launch (the chain scan's tuner configurations in the compose pass's form, dense and factored, and those with the
+    walk by position within the H200's shared memory; the attention, its
     fold, the pair maps, the query tail, the key ordering, the experts, the summaries: benchmarks/kernel_resources.py's
     builds) compiles for sm_90a with the ptxas Triton ships, at most 255 registers; the defaults also fit the H200's
     shared memory. Triton's interpreter runs source the compiler may refuse: H100 run 111 found the chain's from-zero
@@ -62,6 +63,8 @@ for bv, w, st in ts._CONFIGS:                      # the compose pass's form (co
     for factors in (False, True):
         r = kr.scan_build(bv=bv, warps=w, stages=st, factors=factors)
         assert r["registers"] is not None and r["registers"] <= 255, (bv, w, st, factors, r)
+        if not factors and ts.position_fits(128, bv):       # with the walk by position: it must also fit
+            assert r["shared"] <= kr.SMEM_LIMIT, (bv, w, st, r)
 import torch
 default = kr.scan_build(*ts._default(1, 32, 128, torch.device("cpu")))
 assert default["shared"] <= kr.SMEM_LIMIT, default
@@ -321,6 +324,78 @@ def test_triton_scan_steps_matches_fp64():
                 assert rel(f1, f0) < 1e-5 and rel(b1[E:], b0[E:]) < 1e-5, cfg
     defaults = {triton_scan._default(1, H, V, init.device) + (c,) for c in (False, True)}
     assert defaults <= {cfg + (c,) for cfg, c in built}           # the untuned default always builds
+
+
+@cuda
+def test_triton_scan_by_position_matches_fp64():
+    """The chain by position (ops/triton_scan.py `_by_position`, STEP_BY_POSITION) at the 35B model's shape: 24 runs'
+    dense maps (20 pairs and 4 query pieces) at consecutive slots, first the chain's first map a run's or a cached
+    one's from zero. M x as three tf32 products of M as loaded (the wgmma drops M's low 13 bits; M's rest made in
+    registers): the final state within 1e-5 of the fp64 chain, as the table's walk (test_triton_scan_steps_matches_fp64),
+    in every configuration the tuner may pick that builds. The corrected outputs are bf16: within their rounding
+    (2^-8) of the fp64 correction of the same bf16 inputs, and within 2^-7 of the table walk's. A flagged table whose
+    rows name the slots in another order is walked by position (the device takes the flag). H100 run 114: the final
+    state's error was 1.1e-5 in scan_bench's chain while the parts were left to the instruction's truncation; this
+    test's chain passed at 1e-5 then."""
+    pytest.importorskip("triton")
+    from hypic.compose import scan as sc
+    from hypic.compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
+    from hypic.ops import triton_scan
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    H, K, V, N, L = 32, 128, 128, 24, 8
+    runs = torch.cat([torch.randn(N, H, K, V, device="cuda", generator=g),
+                      torch.randn(N, H, K, K, device="cuda", generator=g) / K ** .5 * .9], -1).contiguous()
+    T0 = torch.randn(1, H, K, K, device="cuda", generator=g) / K ** .5 * .9
+    S0 = torch.randn(1, H, K, V, device="cuda", generator=g)
+    outs = torch.randn(N * L, H, V + K, device="cuda", generator=g).bfloat16()
+    off = lambda i: i * H * K * (V + K) * 4  # noqa: E731
+    for first_cached in (False, True):
+        slots = list(range(N - 1 if first_cached else N))
+        rows = [[T0.data_ptr(), S0.data_ptr(), 0, 0, 0, 0]] if first_cached else []
+        rows += [[off(i), off(i), 1, 1 + i, i * L, L] for i in slots]
+        order = ([0] if first_cached else []) + [1 + i for i in slots]
+        init = torch.randn(1, H, K, V, device="cuda", generator=g)
+        if first_cached:
+            init.zero_()
+            rows[0][2] |= STEP_FROM_ZERO
+        b0, f0 = sc.scan_dense_reference(init.double(), T0.double(), S0.double(), [0, len(order)], order,
+                                         runs.double())
+        starts = b0[[1 + i for i in slots]].double().repeat_interleave(L, 0)
+        n_tok = len(slots) * L
+        want = outs[:n_tok, :, :V].double() + torch.einsum("nhk,nhkv->nhv", outs[:n_tok, :, V:].double(), starts)
+        table = torch.tensor(rows, dtype=torch.int64, device="cuda")
+        flagged = table.clone()
+        flagged[0, 2] |= STEP_BY_POSITION
+        cu = torch.tensor([0, len(rows)], dtype=torch.int32, device="cuda")
+        walked = outs.clone()
+        triton_scan.scan_steps(init, table, cu, runs, 1 + N, outputs=walked, max_run=L, position=False)
+        built = 0
+        for cfg in triton_scan._CONFIGS:
+            got = outs.clone()
+            try:
+                _, f1 = triton_scan.scan_steps(init, flagged, cu, runs, 1 + N, outputs=got, max_run=L, bv=cfg[0],
+                                               warps=cfg[1], stages=cfg[2], position=True)
+            except Exception as e:
+                if "OutOfResources" in type(e).__name__:
+                    continue
+                raise
+            built += 1
+            assert rel(f1, f0[0]) < 1e-5, (first_cached, cfg, rel(f1, f0[0]))
+            assert rel(got[:n_tok, :, :V], want) < 2 ** -8, (first_cached, cfg)
+            assert rel(got[:n_tok, :, :V], walked[:n_tok, :, :V].double()) < 2 ** -7, (first_cached, cfg)
+        assert built, first_cached
+    # the rows after the second name the slots backwards: by position from the second row's slot the chain still goes
+    # 0, 1, 2, ... (the first row's step as it names it, then slots from the second's on)
+    back = [[off(i), off(i), 1, 1 + i, 0, L if i < 2 else 0] for i in [0, 1] + list(range(N - 1, 1, -1))]
+    back[0][2] |= STEP_BY_POSITION
+    init = torch.randn(1, H, K, V, device="cuda", generator=g)
+    _, f0 = sc.scan_dense_reference(init.double(), T0.double(), S0.double(), [0, N], list(range(1, N + 1)),
+                                    runs.double())
+    _, f1 = triton_scan.scan_steps(init, torch.tensor(back, dtype=torch.int64, device="cuda"),
+                                   torch.tensor([0, N], dtype=torch.int32, device="cuda"), runs, 1 + N,
+                                   outputs=outs.clone(), max_run=L, position=True)
+    assert rel(f1, f0[0]) < 1e-5
 
 
 @cuda
@@ -1279,6 +1354,9 @@ for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, 
         cu_m, cu_p = bufs0.cu_maps.tolist(), bufs0.cu_pairs.tolist()
         assert cu_m[1] - cu_p[1] == 3 and cu_m[2] - cu_p[2] == 3, (cu_m, cu_p)
         assert (lay0["pairs"][:, 0] != 0).sum() == 3
+        # every step after the chain's first a run's map at the next slot: taken by position (STEP_BY_POSITION)
+        from hypic.compose.scan import STEP_BY_POSITION
+        assert int(lay0["steps_host"][0, 2]) & STEP_BY_POSITION
     last = list(llm.engine.composer.ready)[-1]              # the 41-token query's shape
     assert last.tail == (-(-41 // sub) if tail else 0), (last, sub, tail)          # the query's runs (pieces of sub)
     if sub > 16:                # the longest run of the last request (41 tokens) in one or two pieces (the pads too)
@@ -1390,6 +1468,80 @@ for d, dv, h, hkv in ((32, 32, 4, 2), (24, 16, 4, 1)):
     for fold, vs in ((False, 1), (True, 2)):
         o = position_attention(q, k[perm], v[perm], qp, kp[perm], scale=0.3, fused_fold=fold, vsplit=vs, splits=3)
         assert float((o - r).abs().max()) < 1e-5, (d, dv, fold, vs)
+print("ok")
+"""
+    _run_in_interpreter(code)
+
+
+@needs_triton
+def test_triton_scan_by_position_in_interpreter():
+    """The compose pass's chain by position (ops/triton_scan.py `_by_position`, compose/scan.py STEP_BY_POSITION): a chain
+    whose steps after the first are runs' dense maps at consecutive slots of the pairs' buffer, taken by position with
+    the product M x as three tf32 products of M as loaded, M's rest and x's two parts, and the runs' corrections as three
+    bf16 products. In Triton's interpreter, which drops each tf32 operand's low 13 bits as the device's wgmma does
+    (`_tf32`), the final states and corrected outputs against the fp64 chain within 1e-6 (the interpreter measured
+    1.1-1.6e-7 and 1.0-1.5e-7; without M's rest 5.7e-4, one slot off 1.2): the first map a cached one's (from zero or
+    not) or a run's, from zero or not, value blocks of 16 and 32, beside a second chain of one unflagged run; the same
+    tables unflagged, or flagged with the form off, as their rows name them (1e-6)."""
+    code = """
+import sys
+sys.modules["fla"] = None; sys.modules["causal_conv1d"] = None
+import torch
+from hypic.ops import triton_scan
+from hypic.compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
+torch.manual_seed(0)
+H, K, V, N = 2, 32, 32, 5
+rel = lambda a, b: float((a.double() - b).norm() / b.norm())
+T_e = [torch.randn(H, K, K) / K ** .5 * .9 for _ in range(2)]
+S_e = [torch.randn(H, K, V) for _ in range(2)]
+runs = torch.cat([torch.randn(N, H, K, V), torch.randn(N, H, K, K) / K ** .5 * .9], -1).contiguous()   # [c | M]
+lens, t0 = [3, 5, 2, 4, 1], [0, 3, 8, 10, 14]
+outs = torch.randn(15, H, V + K)
+outs[..., V:] = outs[..., V:].bfloat16().float()          # u_t in bf16, as the summary writes it (exact in tf32)
+
+
+def rows_for(first, p0, p1):
+    # first: None, or a cached map's index; then runs p0..p1-1 (consecutive slots of `runs`)
+    rows = [] if first is None else [[T_e[first].data_ptr(), S_e[first].data_ptr(), 0, first, 0, 0]]
+    for i in range(p0, p1):
+        off = i * H * K * (V + K) * 4
+        rows.append([off, off, 1, 2 + i, t0[i], lens[i]])
+    return rows
+
+
+def reference(init, chains):
+    # fp64: each chain's steps from its init, runs' outputs corrected by the state entering them
+    o = outs.double().clone()
+    finals = []
+    for x, rows in zip(init.double(), chains):
+        for tv, sv, kind, slot, a, n in rows:
+            if kind & 1:
+                i = slot - 2
+                o[a:a + n, :, :V] += torch.einsum("nhk,hkv->nhv", o[a:a + n, :, V:], x)
+                x = runs[i, :, :, V:].double() @ x + runs[i, :, :, :V].double()
+            else:
+                x = T_e[slot].double() @ x + S_e[slot].double()
+        finals.append(x)
+    return o[..., :V], torch.stack(finals)
+
+
+for first, p0, from_zero in ((0, 1, False), (1, 0, True), (None, 0, False), (None, 1, True)):
+    chain0 = rows_for(first, p0, 4)
+    chain1 = rows_for(None, 4, 5)                         # a second chain of one run (unflagged)
+    tbl = torch.tensor(chain0 + chain1, dtype=torch.int64)
+    cu = torch.tensor([0, len(chain0), len(chain0) + 1], dtype=torch.int32)
+    init = torch.randn(2, H, K, V)
+    if from_zero:
+        init[0] = 0
+        tbl[0, 2] |= STEP_FROM_ZERO
+    want_o, want_f = reference(init, [tbl[:len(chain0)].tolist(), tbl[len(chain0):].tolist()])
+    flagged = tbl.clone()
+    flagged[0, 2] |= STEP_BY_POSITION
+    for bv in (16, 32):
+        for t, pos in ((tbl, True), (flagged, False), (flagged, True)):
+            got = outs.clone()
+            _, f = triton_scan.scan_steps(init, t, cu, runs, 2 + N, outputs=got, max_run=8, bv=bv, position=pos)
+            assert rel(f, want_f) < 1e-6 and rel(got[..., :V], want_o) < 1e-6, (first, p0, bv, pos)
 print("ok")
 """
     _run_in_interpreter(code)

@@ -19,6 +19,11 @@ from .transition import Form, Transition, compose
 # init must be), so the step is x <- S: the product T 0 and a run's correction (+ 0) are left out, the result the same
 # to the bit (a compose pass without a cached prefix: one step of ~20 a layer on the 35B benchmark's request)
 STEP_FROM_ZERO = 2
+# STEP_BY_POSITION set on a chain's first row: every step after it is a run's dense map (the low-rank pairs' buffer, its
+# [c | M] rows) at consecutive slots from the next row's, so the scan reads step j's map at a position it computes, not
+# through the row's offset: the loads no longer wait on the row's, and Triton's pipeliner keeps two maps in flight (ops/
+# triton_scan.py `_by_position`)
+STEP_BY_POSITION = 4
 
 
 def scan_chain(init: torch.Tensor, maps: list, *, exact: list[bool] | None = None):

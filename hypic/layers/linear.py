@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..cache.entry import LinearSummary
-from ..compose.scan import STEP_FROM_ZERO
+from ..compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
 from ..compose.transition import Form, Transition, compose, zero_start
 from ..ops.reference.gated_delta import factor_width, factors_to_dense, values_to_state
 from ..runtime.batch import Apply, ForwardBatch, Run
@@ -228,10 +228,12 @@ class LinearMixer(nn.Module):
                 rows[:, 1] = np.where(is_run, off_s, addr[ent, 1])
                 rows[:, 2:] = rest
             else:       # a paired cached map's step left out (the pair's map, in its run's place, takes it over)
-                run_k, offs_k, ent_k, rest_k, after, has, cols = pair_cols
+                run_k, offs_k, ent_k, rest_k, after, has, cols, by_pos = pair_cols
                 nk = ent_k.shape[0]
                 rows[:nk, :2] = np.where(run_k, offs_k, addr[ent_k])
                 rows[:nk, 2:] = rest_k
+                if by_pos:
+                    rows[0, 2] |= STEP_BY_POSITION
                 pairs = buf["pairs_host"].numpy()      # run i: (T_e, S_e addresses or 0, i, is a pad run, ...)
                 pairs[:, :2] = addr[after] * has
                 pairs[:, 2:4] = cols
@@ -282,9 +284,15 @@ class LinearMixer(nn.Module):
                 keep, after = low.pairs                                    # (lowering: `pair_runs`)
                 kept = np.flatnonzero(keep)
                 runs = np.arange(after.shape[0])
+                # the request's chain (its first cu_pairs[1] kept steps) by position: every step after its first a
+                # run's map, at consecutive slots of the pairs' buffer (compose/scan.py STEP_BY_POSITION)
+                n0 = int(low.tables["cu_pairs"][1])
+                tail = off_t[kept[1:n0]]
+                by_pos = n0 > 1 and bool(is_run[kept[1:n0]].all()) and bool(
+                    (tail == tail[0] + np.arange(n0 - 1) * (h * k * (v + k) * 4)).all())
                 pair_cols = (is_run[kept, None], np.stack([off_t[kept], off_s[kept]], 1), ent[kept], rest[kept],
                              np.maximum(after, 0), (after >= 0)[:, None].astype(np.int64),
-                             np.stack([runs, runs >= real], 1))
+                             np.stack([runs, runs >= real], 1), by_pos)
             hit = low.memo[key] = (is_run, off_t, off_s, ent, rest, pair_cols)
         return hit
 

@@ -34,10 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compose.scan import STEP_FROM_ZERO
+from ..compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
 from .tuning import tuned_config
 
 _FROM_ZERO = tl.constexpr(STEP_FROM_ZERO)          # (a module global a kernel reads must be a constexpr)
+_BY_POSITION = tl.constexpr(STEP_BY_POSITION)
 
 
 @triton.jit
@@ -266,37 +267,108 @@ def _step_s(row, a_addr, h, off_kv, off_as, m_kv, K: tl.constexpr, V: tl.constex
 
 
 @triton.jit
-def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, H: tl.constexpr,
-                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                       STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
-                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = False):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    rk = tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
-    mk = rk < K
-    mv = rv < V
-    m_kv = mk[:, None] & mv[None, :]
-    m_kk = mk[:, None] & mk[None, :]
-    off_kv = rk[:, None] * V + rv[None, :]
-    off_kk = rk[:, None] * K + rk[None, :]                       # the dense maps' offsets, made once
+def _tf32(v, EMULATE: tl.constexpr):
+    """v as a tf32 product reads it: the wgmma instruction drops the low 13 mantissa bits of an fp32 operand (PTX ISA,
+    wgmma.mma_async with .tf32); EMULATE (Triton's interpreter, whose products are exact fp32) drops them here, so the
+    interpreter computes what the device does."""
+    if EMULATE:
+        v = (v.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def _rna(v):
+    """v rounded to tf32, to nearest with ties away from zero (a rounding bias on the magnitude's bits, then the low 13
+    cleared; the sign bit is apart): a tf32 product reads it exactly."""
+    return ((v.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off_m, off_c, H: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, EMULATE: tl.constexpr):
+    """Step j of `_by_position`: its map at slot p0 + j - j0; the run's outputs corrected from x; M x + c."""
+    mp = maps + (p0 + j - j0).to(tl.int64) * (H * K * (V + K)) + h * (K * (V + K))
+    m = tl.load(mp + off_m)                                                   # [K, K]
+    c = tl.load(mp + off_c)                                                   # [K, BV]
+    row = steps + j.to(tl.int64) * W
+    t0 = tl.load(row + 4)
+    nt = tl.load(row + 5)
+    mt = (tt < nt)[:, None]
+    rows = (t0 + tt).to(tl.int64) * s_ot + h * s_oh
+    u = tl.load(ou + rows[:, None] + V + rk[None, :], mask=mt, other=0.0)
+    optr = ou + rows[:, None] + rv[None, :]
+    o0 = tl.load(optr, mask=mt, other=0.0).to(tl.float32)
+    x1 = x.to(tl.bfloat16)                          # the correction's operand: x in three bf16 parts
+    r1 = x - x1.to(tl.float32)
+    x2 = r1.to(tl.bfloat16)
+    x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
+    if EMULATE:         # (Triton 3.6's interpreter multiplies bf16 blocks wrongly: the same products in fp32)
+        uf = u.to(tl.float32)
+        corr = tl.dot(uf, x1.to(tl.float32), input_precision="ieee")
+        corr = tl.dot(uf, x2.to(tl.float32), corr, input_precision="ieee")
+        corr = tl.dot(uf, x3.to(tl.float32), corr, input_precision="ieee")
+    else:
+        corr = tl.dot(u, x1)
+        corr = tl.dot(u, x2, corr)
+        corr = tl.dot(u, x3, corr)
+    tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mt)
+    x_hi = _rna(x)
+    x_lo = _rna(x - x_hi)
+    m_lo = _rna(m - (m.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True))
+    acc = tl.dot(_tf32(m, EMULATE), x_hi, input_precision="tf32")
+    acc = tl.dot(_tf32(m, EMULATE), x_lo, acc, input_precision="tf32")
+    acc = tl.dot(m_lo, x_hi, acc, input_precision="tf32")
+    x = acc + c
+    return x
+
+
+@triton.jit
+def _by_position(x, j0, j1, steps, maps, ou, s_ot, s_oh, h, rk, rv, H: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, EMULATE: tl.constexpr):
+    """Steps j0..j1-1 of a chain whose every step is a run's dense map in the pairs' buffer `maps` [N, H, K, V + K]
+    ([c | M] rows) at consecutive slots from row j0's (STEP_BY_POSITION), each run's outputs corrected in place.
+
+    Step j's map lies at slot p0 + j - j0: an address the loop computes, so Triton's pipeliner issues its loads two
+    steps ahead into two shared-memory buffers (the table-addressed loop waits on each row before its map's loads, and
+    its kind's branch keeps the loads out of the pipeline: one [K, K] map loaded per step into registers, then split).
+    The product M x in fp32-level precision from three tf32 products, M read from shared memory as loaded: the
+    instruction itself drops M's low 13 bits (`_tf32`), so M's tf32 part needs no copy, and its rest M - trunc(M) is the
+    one part made in registers; x = x_hi + x_lo. The parts given to the products are rounded to nearest (`_rna`), not
+    left to the instruction's truncation: truncation errors all lean one way and add up over K terms (H100 run 114:
+    1.1e-5 relative after the 24-step chain with M's rest and x_lo truncated, against 2.3e-6 for Triton's "tf32x3").
+    Left out: M's rest times x_lo (below 2^-21 of the term) and the parts' rounding (2^-11 of parts below 2^-10 and
+    2^-11 of the whole). A run's correction o_t += x^T u_t is three bf16 products (u_t is bf16; x as three bf16 parts,
+    within 2^-24 of x; each product exact, summed in fp32): x's two tf32 parts in the correction's operand layout would
+    not fit beside two maps in shared memory (239 KB at the 35B shape, 227 KB the most), its bf16 parts do."""
+    tt = tl.arange(0, BT)
+    p0 = tl.load(steps + j0.to(tl.int64) * W, mask=j0 < j1, other=0) // (H * K * (V + K) * 4)   # (a run's row: its
+    # map's byte offset)
+    off_m = rk[:, None] * (V + K) + V + rk[None, :]
+    off_c = rk[:, None] * (V + K) + rv[None, :]
+    if EMULATE:             # (Triton's interpreter cannot range over loaded bounds)
+        j = j0
+        while j < j1:
+            x = _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off_m, off_c, H, K, V, W,
+                               EMULATE)
+            j += 1
+    else:
+        for j in tl.range(j0, j1, num_stages=3):
+            x = _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off_m, off_c, H, K, V, W,
+                               EMULATE)
+    return x
+
+
+@triton.jit
+def _table_chain(x, j0, j1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr,
+                 STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr,
+                 BF: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr):
+    """Steps j0..j1-1 of a chain as its table names them (`_chain_step`). The dense maps' offsets are made here, once
+    (alive only in this walk: made before a walk by position, they held ~64 registers a thread through it)."""
+    m_kk = (rk < K)[:, None] & (rk < K)[None, :]
+    off_kk = rk[:, None] * K + rk[None, :]
     off_at = rk[:, None] * (V + K) + V + rk[None, :]
     off_as = rk[:, None] * (V + K) + rv[None, :]
-    x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
-    j0 = tl.load(cu + r)
-    j1 = tl.load(cu + r + 1)
-    if j0 < j1:
-        row0 = steps + j0.to(tl.int64) * W
-        if (tl.load(row0 + 2) & _FROM_ZERO) != 0:
-            # the chain starts from a zero state (its init is zero: the table's promise): its first step is its S,
-            # with no product; a run's correction would add zero (CORRECT: skipped), its `before` slot is zero
-            if not CORRECT:
-                _correct_or_keep(x, _is_run(row0), row0, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
-                                 m_kv, H, K, V, PREC, CORRECT, BT)
-            x = _step_s(row0, a_addr, h, off_kv, off_as, m_kv, K, V, FACTORS, EVEN)
-            j0 += 1
     if PREFETCH:                # dense maps: each step's map loaded during the step before it, by hand
         if j0 < j1:
             t_n, s_n, run_n = _dense_next(j0, j1, steps, a_addr, h, off_kk, off_kv, off_at, off_as, m_kv, m_kk, K, V,
@@ -319,6 +391,50 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
             x = _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, m_kk, off_kk,
                             off_at, off_as, H, K, V, PREC, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT)
             j += 1
+    return x
+
+
+@triton.jit
+def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, maps, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                       STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
+                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr = False,
+                       PREFETCH: tl.constexpr = False, POSITION: tl.constexpr = False, EMULATE: tl.constexpr = False):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    m_kv = mk[:, None] & mv[None, :]
+    off_kv = rk[:, None] * V + rv[None, :]
+    x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
+    j0 = tl.load(cu + r)
+    j1 = tl.load(cu + r + 1)
+    kind0 = tl.load(steps + j0.to(tl.int64) * W + 2, mask=j0 < j1, other=0)      # (0 for an empty chain)
+    if (kind0 & _FROM_ZERO) != 0:
+        # the chain starts from a zero state (its init is zero: the table's promise): its first step is its S,
+        # with no product; a run's correction would add zero (CORRECT: skipped), its `before` slot is zero
+        row0 = steps + j0.to(tl.int64) * W
+        if not CORRECT:
+            _correct_or_keep(x, _is_run(row0), row0, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
+                             m_kv, H, K, V, PREC, CORRECT, BT)
+        x = _step_s(row0, a_addr, h, off_kv, rk[:, None] * (V + K) + rv[None, :], m_kv, K, V, FACTORS, EVEN)
+        j0 += 1
+    if POSITION:            # (compiled only for dense maps with the correction, BK = K and blocks tiling V)
+        if (kind0 & _BY_POSITION) != 0:
+            if (kind0 & _FROM_ZERO) == 0:       # the first step as its row names it, the rest by position
+                x = _table_chain(x, j0, j0 + 1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
+                                 m_kv, H, K, V, PREC, 1, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT, False)
+                j0 += 1
+            x = _by_position(x, j0, j1, steps, maps, ou, s_ot, s_oh, h, rk, rv, H, K, V, W, BT, EMULATE)
+        else:
+            x = _table_chain(x, j0, j1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H,
+                             K, V, PREC, STAGES, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT, PREFETCH)
+    else:
+        x = _table_chain(x, j0, j1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K,
+                         V, PREC, STAGES, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT, PREFETCH)
     tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x, mask=m_kv)
 
 
@@ -326,6 +442,9 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
 # pipelining of the loop, which a branch on the map's kind may defeat: off until measured on the GPU (gpu_bench's
 # variant `scan_prefetch`, docs/gpu-notes.md "Twenty-third session")
 PREFETCH = False
+# the compose pass's chains whose steps after the first are the pairs' maps in order (STEP_BY_POSITION, set by
+# layers/linear.py) walked by position, two maps in flight (`_by_position`); off: every chain as its table names it
+BY_POSITION = True
 
 COMPILED: dict = {}          # the last launched compiled kernel per kind ("steps"): its n_regs / n_spills for gpu_check
 
@@ -410,10 +529,17 @@ def split_tf32(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (t.float() - hi).contiguous()
 
 
+def position_fits(k: int, bv: int) -> bool:
+    """`_by_position` keeps two [K, K] maps and two [K, BV] blocks of c in shared memory beside x's parts: whether that
+    fits the H200's 227 KB (sm_90a builds at K = 128: 207 KB at BV = 32, 274 KB at 64, which would not build)."""
+    return 8 * k * (k + bv) + 6 * k * bv + 16384 <= 232448
+
+
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
                outputs: torch.Tensor | None = None, max_run: int = 16, factors: torch.Tensor | None = None,
                split: bool = False, bv: int | None = None, warps: int | None = None, stages: int | None = None,
-               tune: bool = True, precision: str = "tf32x3", prefetch: bool | None = None):
+               tune: bool = True, precision: str = "tf32x3", prefetch: bool | None = None,
+               position: bool | None = None):
     """The compose pass's form: chains described step by step, no map copied.
 
     init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
@@ -435,9 +561,16 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     (an experiment: benchmarks/scan_bench.py `split`; no cache keeps split maps).
     prefetch (dense maps only; None: the module's PREFETCH): each step's map loaded during the step before it; the
     pipeline depth (stages) is then unused.
+    position (dense maps with bf16 `outputs`, not prefetch or split; None: the module's BY_POSITION): a chain whose
+    first row carries STEP_BY_POSITION (compose/scan.py) takes the steps after its first by position in `runs` (the
+    low-rank pairs' buffer, `_by_position`); other chains as their rows name them.
     Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
     r, h, k, v = init.shape
     prefetch = (PREFETCH and factors is None) if prefetch is None else prefetch      # (the module's: dense maps only)
+    # (by position on CUDA: the correction's products take u_t in bf16, as the compose pass's summaries write it; fp32
+    # outputs go the table's way. Triton's interpreter makes the same products in fp32.)
+    position = (BY_POSITION if position is None else position) and factors is None and outputs is not None \
+        and not prefetch and not split and (outputs.dtype == torch.bfloat16 or not init.is_cuda)
     if prefetch and factors is not None:
         raise ValueError("prefetch is for dense maps (no factors)")
     init = init.float().contiguous()
@@ -468,13 +601,16 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
 
     def launch(cfg, _o=ou):
         b, w, st = cfg
+        even = bk == k and v % b == 0
+        fits = position_fits(k, b)
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-            init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, H=h, K=k, V=v, BK=bk, BV=b, PREC=precision,
-            STAGES=1 if prefetch else st, W=steps.shape[1], CORRECT=correct, BT=bt, FACTORS=factors is not None,
-            BF=bf, EVEN=bk == k and v % b == 0, SPLIT=split, PREFETCH=prefetch, num_warps=w)
+            init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, runs, H=h, K=k, V=v, BK=bk, BV=b,
+            PREC=precision, STAGES=1 if prefetch else st, W=steps.shape[1], CORRECT=correct, BT=bt,
+            FACTORS=factors is not None, BF=bf, EVEN=even, SPLIT=split, PREFETCH=prefetch,
+            POSITION=position and even and fits, EMULATE=not init.is_cuda, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
-    form = ("steps+prefetch" if prefetch else "steps") if factors is None else (
+    form = ("steps+prefetch" if prefetch else "steps" + ("+position" if position else "")) if factors is None else (
         "steps+factors" + ("+split" if split else ""))
     if bv is not None or warps is not None or stages is not None:
         cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
