@@ -126,6 +126,7 @@ def main():
     ap.add_argument("--heads", type=int, default=H, help="fewer for a dry run in Triton's interpreter on the CPU")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--wide", action="store_true", help="the 16-warp configurations instead")
+    ap.add_argument("--forms", default="", help="only these forms (comma-separated), e.g. lowrank,position")
     args = ap.parse_args()
     globals()["H"] = args.heads
     from launches import first_launch, launch_times
@@ -148,6 +149,8 @@ def main():
              "split": [(32, 8, 1), (16, 4, 1), (32, 4, 1), (16, 8, 1), (64, 8, 1)],
              "prepaired": [(32, 8, 2), (32, 8, 1)], "lowrank": [(32, 8, 2), (32, 8, 1)],
              "position": [(32, 8, 2), (32, 8, 1), (32, 4, 2)]}
+    if args.forms:
+        forms = {f: forms[f] for f in args.forms.split(",")}
     if args.wide:              # 16 warps: T [128 x 128] at 32 registers per thread instead of 64 (run 31 saw a fault
         forms = {"dense": [(32, 16, 2), (32, 16, 1), (64, 16, 1)]}       # in the factored form with 16 warps)
     torch.backends.cuda.matmul.allow_tf32 = False      # pair_maps at full fp32 precision

@@ -315,9 +315,9 @@ def _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off
     x_hi = _rna(x)
     x_lo = _rna(x - x_hi)
     m_lo = _rna(m - (m.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True))
-    acc = tl.dot(_tf32(m, EMULATE), x_hi, input_precision="tf32")
+    acc = tl.dot(m_lo, x_hi, input_precision="tf32")           # (the small products first, the large one last)
     acc = tl.dot(_tf32(m, EMULATE), x_lo, acc, input_precision="tf32")
-    acc = tl.dot(m_lo, x_hi, acc, input_precision="tf32")
+    acc = tl.dot(_tf32(m, EMULATE), x_hi, acc, input_precision="tf32")
     x = acc + c
     return x
 
@@ -334,10 +334,11 @@ def _by_position(x, j0, j1, steps, maps, ou, s_ot, s_oh, h, rk, rv, H: tl.conste
     The product M x in fp32-level precision from three tf32 products, M read from shared memory as loaded: the
     instruction itself drops M's low 13 bits (`_tf32`), so M's tf32 part needs no copy, and its rest M - trunc(M) is the
     one part made in registers; x = x_hi + x_lo. The parts given to the products are rounded to nearest (`_rna`), not
-    left to the instruction's truncation: truncation errors all lean one way and add up over K terms (H100 run 114:
-    1.1e-5 relative after the 24-step chain with M's rest and x_lo truncated, against 2.3e-6 for Triton's "tf32x3").
-    Left out: M's rest times x_lo (below 2^-21 of the term) and the parts' rounding (2^-11 of parts below 2^-10 and
-    2^-11 of the whole). A run's correction o_t += x^T u_t is three bf16 products (u_t is bf16; x as three bf16 parts,
+    left to the instruction's truncation, and the small products are summed first, the large one onto them, as Triton's
+    "tf32x3" orders them (H100 runs 114-115: 1.0-1.1e-5 relative after scan_bench's 24-step chain with the large
+    product first, truncated or rounded parts alike, against 2.3e-6 for "tf32x3": the tensor cores' sums lose the small
+    terms' low bits when they are added to a large running sum). Left out: M's rest times x_lo (below 2^-21 of the
+    term) and the parts' rounding (2^-11 of parts below 2^-10 and 2^-11 of the whole). A run's correction o_t += x^T u_t is three bf16 products (u_t is bf16; x as three bf16 parts,
     within 2^-24 of x; each product exact, summed in fp32): x's two tf32 parts in the correction's operand layout would
     not fit beside two maps in shared memory (239 KB at the 35B shape, 227 KB the most), its bf16 parts do."""
     tt = tl.arange(0, BT)
