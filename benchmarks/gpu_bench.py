@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import random
 import statistics
@@ -783,6 +784,7 @@ def main():
     llm.engine.segments.clear()              # cold again, now that every kernel shape has been tuned and the
     llm.engine.prefix.clear()                # compose graph of this shape captured (kept: not the caches' part)
     order = order_a[::-1]
+    oom = None
     try:
         rag["pic_cold_steady_s"], _ = ttft(Prompt(segments=[segs[i] for i in order], query=query))
         print(f"pic cold, second time (kernels tuned): {rag['pic_cold_steady_s'] * 1e3:.0f} ms", flush=True)
@@ -790,8 +792,14 @@ def main():
         # (an 80 GB card: H100 runs 97-110 ran out of memory here, the 20 segments' isolated prefill in one batch
         # beside the 35B model and the composers' buffers, and lost every row after it)
         rag["pic_cold_steady_s"] = float("nan")
-        print(f"pic cold, second time: skipped, out of GPU memory ({str(e)[:100]})", flush=True)
+        oom = str(e)[:100]
+    if oom is not None:
+        # (outside the except block: the exception's traceback holds the failed prefill's frames, and with them its
+        # activations, until the block ends; H100 runs 114-116 ran out of memory again in the warming below, run
+        # inside the block)
+        print(f"pic cold, second time: skipped, out of GPU memory ({oom})", flush=True)
         llm.engine.segments.clear()
+        gc.collect()
         (torch.cuda.empty_cache() if DEV == "cuda" else None)
         # the caches warmed again, untimed, in isolated prefills of at most 4,096 tokens, so the rows after this
         # one (the warm request's profiles, decode) find them warm (H100 run 112 lost them to a second OOM)
