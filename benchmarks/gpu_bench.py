@@ -384,6 +384,15 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     def flag(mod, name, value):                 # a variant's switch: a context manager per use
         return lambda: flagged(mod, name, value)
 
+    def both(*switches):                        # several switches as one variant
+        @contextlib.contextmanager
+        def cm():
+            with contextlib.ExitStack() as stack:
+                for f in switches:
+                    stack.enter_context(f())
+                yield
+        return cm
+
     from hypic.ops import fast as _fast
     import hypic.models.base as _base
 
@@ -430,6 +439,12 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                       flag(_tm, "TMA_WEIGHTS", not _tm.TMA_WEIGHTS), {})]
     if _ts is not None:             # each chain step's map loaded during the step before it (twenty-third session)
         variants += [("scan_prefetch", flag(_ts, "PREFETCH", True), {})]
+        # the pair kernel's cached maps and the ordering kernel's cached rows read an element at a time, their
+        # integer addresses' alignment unknown to the compiler (before the 36th session)
+        from hypic.ops import triton_place as _tp
+
+        variants += [("loads_by_element", both(flag(_ts, "PAIR_ALIGNED", False), flag(_tp, "ALIGNED_ENTRIES", False)),
+                      {})]
         # the chain's steps read through their table rows, not by position in the pairs' buffer (36th session)
         variants += [("scan_by_table" if _ts.BY_POSITION else "scan_by_position",
                       flag(_ts, "BY_POSITION", not _ts.BY_POSITION), {})]

@@ -44,7 +44,8 @@ def scan_build(bv=32, warps=8, stages=2, factors=False, correct=True, split=Fals
     if position is None:            # as scan_steps compiles it: dense maps with the correction (ops/triton_scan.py)
         position = ts.BY_POSITION and not factors and correct and not split and ts.position_fits(128, bv)
     const = dict(H=32, K=128, V=128, BK=128, BV=bv, PREC="tf32x3", STAGES=stages, W=7 if split else 6,
-                 CORRECT=correct, BT=16, FACTORS=factors, BF=16, EVEN=True, SPLIT=split, POSITION=position)
+                 CORRECT=correct, BT=16, FACTORS=factors, BF=16, EVEN=True, SPLIT=split, POSITION=position,
+                 EMULATE=False)
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}     # as the device specialises them
     src = ASTSource(fn=ts._scan_steps_kernel, signature=sig, constexprs=const, attrs=attrs)
@@ -115,7 +116,8 @@ def other_builds():
         form = ", halves" if halves else ", loads first" if first else f", chunks of {bc}" if bc else ""
         rows.append(("pair_lowrank", f"rows {br}, warps {w}, {prec}{form}", kernel_build(
             ts._pair_lowrank_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32"),
-            dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec, PW=6, HALVES=halves, BC=bc, FIRST=first), w)))
+            dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec, PW=6, HALVES=halves, BC=bc, FIRST=first,
+                 ALIGNED=ts.PAIR_ALIGNED), w)))
     tail = dict(o="*bf16", u="*bf16", s0="*fp32", U="*fp32", F="*fp32", cu="*i64", final="*fp32", N="i32",
                 s_on="i32", s_oh="i32", s_un="i32", s_uh="i32")
     for bv, w in ((32, 4), (16, 4), (32, 8)):          # the query's tail (32nd session): 4 runs of 16, K = V = 128
@@ -128,7 +130,7 @@ def other_builds():
     for ent in (False, True):
         rows.append(("order_keys", "entries by address" if ent else "packed", kernel_build(
             tp._order_kernel, order, dict(W=512, WV=512, D=256, R=64, HALF=32, BW=512, BWV=512, BR=8, PLACE=True,
-                                          ENTRIES=ent, LOGE=5, EW=6), 8)))
+                                          ENTRIES=ent, LOGE=5, EW=6, ALIGNED=ent), 8)))
     # the routed experts (32nd session): each kernel and configuration, its weights by pointers and by tensor
     # descriptors (TMA), at the 35B shape (H 2,048, I 512, top 8)
     moe = {"gate_up": (dict(x="*bf16", order="*i64", offs="*i32", w="*bf16", h="*bf16", s_x="i32", s_we="i32",

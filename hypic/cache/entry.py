@@ -73,10 +73,11 @@ class LinearSummary:
 
     @functools.cached_property
     def addresses(self) -> tuple[int, int] | None:
-        """The data addresses of T and S where both are fp32 and contiguous (the compose pass's scan reads
-        them in place, by address); None otherwise. Made once: a cached summary is never written."""
+        """The data addresses of T and S where both are fp32, contiguous and 16-byte aligned (the compose pass's
+        scan and pair kernels read them in place, by address, the pairs 16 bytes at a time); None otherwise. Made
+        once: a cached summary is never written."""
         t, s = self.T.t, self.S
-        if all(x.dtype == torch.float32 and x.is_contiguous() for x in (t, s)):
+        if all(x.dtype == torch.float32 and x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (t, s)):
             return t.data_ptr(), s.data_ptr()
         return None
 

@@ -216,6 +216,8 @@ class LinearMixer(nn.Module):
                     a = []
                     for t in (p.T.t, p.S):
                         t = t.to(dev, torch.float32).contiguous()
+                        if t.data_ptr() % 16:           # (a view at an odd offset: the pair kernel reads 16 bytes)
+                            t = t.clone()
                         keep.append(t)
                         a.append(t.data_ptr())
                 addr[i] = a

@@ -26,10 +26,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _from(base, addr, ok):
+    """Pointers to the byte addresses `addr` (16-byte aligned: layers/attention.py `_fill_entries` names no other)
+    as base + offsets the compiler knows are multiples of 16 bytes, so a row's loads take 16 bytes at a time (from an
+    integer address it cannot know the alignment and loads one element at a time); base itself where not ok."""
+    size: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
+    o = tl.where(ok, (addr - base.to(tl.int64)) // size, 0)
+    return base + tl.multiple_of(o, 16 // size)
+
+
+@triton.jit
 def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs_stride, etab, n_ent,
                   W: tl.constexpr, WV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
                   BW: tl.constexpr, BWV: tl.constexpr, BR: tl.constexpr, PLACE: tl.constexpr,
-                  ENTRIES: tl.constexpr = False, LOGE: tl.constexpr = 1, EW: tl.constexpr = 6):
+                  ENTRIES: tl.constexpr = False, LOGE: tl.constexpr = 1, EW: tl.constexpr = 6,
+                  ALIGNED: tl.constexpr = False):
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
     rmask = rows < M
@@ -56,9 +67,14 @@ def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs
             e_hi = tl.where(go & ~up, mid, e_hi)
         cached = cached & (e_lo < n_ent)
         off = j - tl.load(etab + e_lo * EW + 2, mask=cached, other=0)
-        kbase = tl.load(etab + e_lo * EW, mask=cached, other=0).to(tl.pointer_type(free.dtype.element_ty)) + off * W
-        vbase = tl.load(etab + e_lo * EW + 1, mask=cached, other=0).to(tl.pointer_type(values.dtype.element_ty)) \
-            + off * WV
+        ka = tl.load(etab + e_lo * EW, mask=cached, other=0)
+        va = tl.load(etab + e_lo * EW + 1, mask=cached, other=0)
+        if ALIGNED:         # (rows of whole 16-byte groups at 16-byte aligned addresses: the loads take 16 bytes)
+            kbase = _from(free, ka, cached) + off * W
+            vbase = _from(values, va, cached) + off * WV
+        else:
+            kbase = ka.to(tl.pointer_type(free.dtype.element_ty)) + off * W
+            vbase = va.to(tl.pointer_type(values.dtype.element_ty)) + off * WV
         vrow = tl.load(vbase[:, None] + cv[None, :], mask=vm & cached[:, None], other=0.0)
         vrow = tl.where(cached[:, None], vrow,
                         tl.load(values + src[:, None] * WV + cv[None, :], mask=vm & ~cached[:, None], other=0.0))
@@ -89,6 +105,17 @@ def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs
     else:
         k_row = tl.load(keys + src[:, None] * W + ck[None, :], mask=rmask[:, None] & col_ok[None, :])
     tl.store(ok + out_row[:, None] * W + ck[None, :], k_row, mask=rmask[:, None] & col_ok[None, :])
+
+
+# the entries' rows read 16 bytes at a time where `_aligned_rows` allows (thirty-sixth session, not yet timed on a GPU;
+# off: one element at a time, as before)
+ALIGNED_ENTRIES = True
+
+
+def _aligned_rows(w: int, wv: int, kbase: torch.Tensor, vbase: torch.Tensor) -> bool:
+    """The entries' rows read 16 bytes at a time (`_from`): rows of whole 16-byte groups, bases the offsets are taken
+    from 16-byte aligned (the entries' addresses are: layers/attention.py `_fill_entries`)."""
+    return all(n * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for n, t in ((w, kbase), (wv, vbase)))
 
 
 def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=None, rotary_dim: int = 0, out=None,
@@ -136,6 +163,8 @@ def order_keys(keys, values, kperm, *, free=None, lo: int = 0, cos=None, sin=Non
         keys, values, kperm, free if place else keys, cos if place and r else keys, sin if place and r else keys,
         ok, ov, m, lo, free.shape[0] if place else 0, cos.stride(0) if place and r else 0, table, n_ent,
         W=w, WV=wv, D=d, R=r, HALF=max(r // 2, 1), BW=bw, BWV=bwv, BR=br, PLACE=place, ENTRIES=entries is not None,
-        LOGE=max(1, (n_ent + 1).bit_length()), EW=table.stride(0) if entries is not None else 6, num_warps=warps,
+        LOGE=max(1, (n_ent + 1).bit_length()), EW=table.stride(0) if entries is not None else 6,
+        ALIGNED=ALIGNED_ENTRIES and entries is not None and _aligned_rows(w, wv, free if place else keys, values),
+        num_warps=warps,
         enable_fp_fusion=False)
     return ok, ov

@@ -649,9 +649,25 @@ def _pair_row(pairs, F, p, h, r, H: tl.constexpr, K: tl.constexpr, WF: tl.conste
 
 
 @triton.jit
+def _aligned(base, addr, cached, ALIGNED: tl.constexpr):
+    """An fp32 pointer to the cached map's byte address `addr` (16-byte aligned: cache/entry.py `addresses`, else the
+    fill's copies), made as base + an offset known to be a multiple of 4 elements: from an integer address the compiler
+    cannot know the alignment and loads 4 bytes at a time (sm_90a, offline: 177 scalar loads in the chunked form), from
+    an aligned pointer argument it loads 16. Where `cached` is false, base itself (the loads are masked). Without
+    ALIGNED (PAIR_ALIGNED off), the address as an integer, as before the thirty-sixth session."""
+    if ALIGNED:
+        off = tl.where(cached, (addr - base.to(tl.int64)) // 4, 0)
+        ptr = base + tl.multiple_of(off, 4)
+    else:
+        ptr = tl.where(cached, addr, 0).to(tl.pointer_type(tl.float32))
+    return ptr
+
+
+@triton.jit
 def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
                          BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, HALVES: tl.constexpr,
-                         BC: tl.constexpr = 0, SKIP: tl.constexpr = False, FIRST: tl.constexpr = False):
+                         BC: tl.constexpr = 0, SKIP: tl.constexpr = False, FIRST: tl.constexpr = False,
+                         ALIGNED: tl.constexpr = True):
     """Program (pair row p, head h, block of BR rows of the map): rows of [c | M] = [S_e + P U | g T_e - P W],
     P = T_e Kd^T (T_e = I, S_e = 0 where the row names no cached map). HALVES: two programs per block, one for M
     and one for c (each forms P; the pair's two programs are adjacent in launch order, so T_e's second read is
@@ -661,10 +677,10 @@ def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: 
     not zero writes nothing (the compose pass's pad runs, when no chain reads their maps). FIRST: every load of the
     program issued before its first product (`_pair_first`)."""
     if BC > 0:
-        _pair_chunked(pairs, F, U, out, H, K, V, WF, BR, PREC, PW, BC, SKIP)
+        _pair_chunked(pairs, F, U, out, H, K, V, WF, BR, PREC, PW, BC, SKIP, ALIGNED)
         return
     if FIRST:
-        _pair_first(pairs, F, U, out, H, K, V, WF, BR, PREC, PW, SKIP)
+        _pair_first(pairs, F, U, out, H, K, V, WF, BR, PREC, PW, SKIP, ALIGNED)
         return
     if HALVES:
         part = tl.program_id(0) % 2
@@ -679,7 +695,7 @@ def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: 
     vv = tl.arange(0, V)
     ww = tl.arange(0, WF)
     kd = tl.load(fb + ww[:, None] * K + kk[None, :])                                   # [WF, K]
-    tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K)
+    tp = _aligned(out, tv, cached, ALIGNED) + h * (K * K)
     te = tl.load(tp + r[:, None] * K + kk[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, K]
     te = tl.where(cached, te, tl.where(r[:, None] == kk[None, :], 1.0, 0.0))
     pk = tl.dot(te, tl.trans(kd), input_precision=PREC)                                # [BR, WF]
@@ -690,7 +706,7 @@ def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: 
         m = g * te - tl.dot(pk, wf, input_precision=PREC)
         tl.store(ob + V + kk[None, :], m, mask=mr)
     if part != 0:                                         # c = S_e + P U
-        sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V)
+        sp = _aligned(out, sv, cached, ALIGNED) + h * (K * V)
         se = tl.load(sp + r[:, None] * V + vv[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, V]
         u = tl.load(U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V + vv[None, :])   # [WF, V]
         c = se + tl.dot(pk, u, input_precision=PREC)
@@ -699,7 +715,8 @@ def _pair_lowrank_kernel(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: 
 
 @triton.jit
 def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
-                  BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr, SKIP: tl.constexpr):
+                  BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr, SKIP: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """_pair_lowrank_kernel's program with the columns in chunks of BC (K and V multiples of BC)."""
     p = tl.program_id(0)
     h = tl.program_id(1)
@@ -708,7 +725,7 @@ def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.cons
     tv, sv, i, cached, mr, fb = _pair_row(pairs, F, p, h, r, H, K, WF, PW, SKIP)
     cc = tl.arange(0, BC)
     ww = tl.arange(0, WF)
-    tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K) + r[:, None] * K
+    tp = _aligned(out, tv, cached, ALIGNED) + h * (K * K) + r[:, None] * K
     pk = tl.zeros((BR, WF), dtype=tl.float32)
     for c0 in tl.static_range(0, K, BC):                  # P = T_e Kd^T over T_e's column chunks
         te = tl.load(tp + (c0 + cc)[None, :], mask=cached & mr, other=0.0)
@@ -722,7 +739,7 @@ def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.cons
         te = tl.where(cached, te, tl.where(r[:, None] == (c0 + cc)[None, :], 1.0, 0.0))
         wf = tl.load(fb + (WF + ww)[:, None] * K + (c0 + cc)[None, :])
         tl.store(ob + V + (c0 + cc)[None, :], g * te - tl.dot(pk, wf, input_precision=PREC), mask=mr)
-    sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V) + r[:, None] * V
+    sp = _aligned(out, sv, cached, ALIGNED) + h * (K * V) + r[:, None] * V
     ub = U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V
     for c0 in tl.static_range(0, V, BC):                  # c = S_e + P U
         se = tl.load(sp + (c0 + cc)[None, :], mask=cached & mr, other=0.0)
@@ -732,7 +749,7 @@ def _pair_chunked(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.cons
 
 @triton.jit
 def _pair_first(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
-                BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, SKIP: tl.constexpr):
+                BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, SKIP: tl.constexpr, ALIGNED: tl.constexpr):
     """_pair_lowrank_kernel's whole-row program with every load (T_e and S_e rows, Kd, W, g, U) issued before the first
     product, so a program waits on memory once, not three times (load, product, load, ...: the whole form loads W
     after P's product and S_e, U after M's). Each program's live loads: [BR, K] + [BR, V] + 3 [WF, K or V] floats."""
@@ -743,8 +760,8 @@ def _pair_first(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.conste
     kk = tl.arange(0, K)
     vv = tl.arange(0, V)
     ww = tl.arange(0, WF)
-    tp = tl.where(cached, tv, 0).to(tl.pointer_type(tl.float32)) + h * (K * K)
-    sp = tl.where(cached, sv, 0).to(tl.pointer_type(tl.float32)) + h * (K * V)
+    tp = _aligned(out, tv, cached, ALIGNED) + h * (K * K)
+    sp = _aligned(out, sv, cached, ALIGNED) + h * (K * V)
     kd = tl.load(fb + ww[:, None] * K + kk[None, :])                                   # [WF, K]
     te = tl.load(tp + r[:, None] * K + kk[None, :], mask=cached & (r < K)[:, None], other=0.0)     # [BR, K]
     wf = tl.load(fb + (WF + ww)[:, None] * K + kk[None, :])                            # [WF, K]
@@ -765,6 +782,10 @@ def _pair_first(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.conste
 PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True),     # (each built and run in run 99)
                 (32, 4, "first"), (64, 8, "first"))
 PAIR_TUNED: dict = {}
+# the cached maps' rows read 16 bytes at a time (`_aligned`: their addresses made relative to an aligned pointer
+# argument, so the compiler knows their alignment; thirty-sixth session, not yet timed on a GPU: gpu_bench's variant
+# `loads_by_element` turns it off with triton_place.ALIGNED_ENTRIES)
+PAIR_ALIGNED = True
 
 
 def pair_form(form) -> tuple[bool, int, bool]:
@@ -815,7 +836,7 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
             raise ValueError(f"column chunks of {bc} must tile K = {k} and V = {v}")
         _pair_lowrank_kernel[(pairs.shape[0] * (2 if halves_ else 1), h, triton.cdiv(k, br))](
             pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=br, PW=pairs.stride(0), PREC=prec, HALVES=halves_,
-            BC=bc, SKIP=skip_marked, FIRST=first, num_warps=w)
+            BC=bc, SKIP=skip_marked, FIRST=first, ALIGNED=PAIR_ALIGNED, num_warps=w)
 
     if not pairs.shape[0]:
         return out
