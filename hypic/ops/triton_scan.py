@@ -70,19 +70,22 @@ def _step(x, j, init, T, S, A, before, order, E, h, off_kv, off_kk, off_a_s, off
 
 
 @triton.jit
+def _state_block(K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Program (request r, value head h, value block): r, h, the state block's rows rk and columns rv, its mask and
+    its offsets in a [K, V] state."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    return r, h, rk, rv, (rk < K)[:, None] & (rv < V)[None, :], rk[:, None] * V + rv[None, :]
+
+
+@triton.jit
 def _scan_kernel(init, T, S, A, before, final, cu, order, E, H: tl.constexpr, K: tl.constexpr,
                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ORDER: tl.constexpr,
                  RUNS: tl.constexpr, RUNS_ONLY: tl.constexpr, STAGES: tl.constexpr):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    rk = tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
-    mk = rk < K
-    mv = rv < V
-    m_kv = mk[:, None] & mv[None, :]
-    m_kk = mk[:, None] & mk[None, :]
-    off_kv = rk[:, None] * V + rv[None, :]
+    r, h, rk, rv, m_kv, off_kv = _state_block(K, V, BK, BV)
+    m_kk = (rk < K)[:, None] & (rk < K)[None, :]
     off_kk = rk[:, None] * K + rk[None, :]
     off_a_s = rk[:, None] * (V + K) + rv[None, :]          # A [N, H, K, V + K] = [S | T] of the runs
     off_a_t = rk[:, None] * (V + K) + V + rk[None, :]
@@ -401,15 +404,7 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
                        STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
                        FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr = False,
                        PREFETCH: tl.constexpr = False, POSITION: tl.constexpr = False, EMULATE: tl.constexpr = False):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    rk = tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
-    mk = rk < K
-    mv = rv < V
-    m_kv = mk[:, None] & mv[None, :]
-    off_kv = rk[:, None] * V + rv[None, :]
+    r, h, rk, rv, m_kv, off_kv = _state_block(K, V, BK, BV)
     x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     j0 = tl.load(cu + r)
     j1 = tl.load(cu + r + 1)
