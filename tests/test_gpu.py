@@ -338,6 +338,8 @@ def test_triton_scan_by_position_matches_fp64():
     state's error was 1.1e-5 in scan_bench's chain while the parts were left to the instruction's truncation; this
     test's chain passed at 1e-5 then."""
     pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
     from hypic.compose import scan as sc
     from hypic.compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
     from hypic.ops import triton_scan
@@ -376,10 +378,8 @@ def test_triton_scan_by_position_matches_fp64():
             try:
                 _, f1 = triton_scan.scan_steps(init, flagged, cu, runs, 1 + N, outputs=got, max_run=L, bv=cfg[0],
                                                warps=cfg[1], stages=cfg[2], position=True)
-            except Exception as e:
-                if "OutOfResources" in type(e).__name__:
-                    continue
-                raise
+            except OutOfResources:            # a configuration that cannot be built is skipped, as the tuner does
+                continue
             built += 1
             assert rel(f1, f0[0]) < 1e-5, (first_cached, cfg, rel(f1, f0[0]))
             assert rel(got[:n_tok, :, :V], want) < 2 ** -8, (first_cached, cfg)

@@ -289,9 +289,9 @@ class LinearMixer(nn.Module):
                 # the request's chain (its first cu_pairs[1] kept steps) by position: every step after its first a
                 # run's map, at consecutive slots of the pairs' buffer (compose/scan.py STEP_BY_POSITION)
                 n0 = int(low.tables["cu_pairs"][1])
-                tail = off_t[kept[1:n0]]
+                offs = off_t[kept[1:n0]]
                 by_pos = n0 > 1 and bool(is_run[kept[1:n0]].all()) and bool(
-                    (tail == tail[0] + np.arange(n0 - 1) * (h * k * (v + k) * 4)).all())
+                    (offs == offs[0] + np.arange(n0 - 1) * (h * k * (v + k) * 4)).all())
                 pair_cols = (is_run[kept, None], np.stack([off_t[kept], off_s[kept]], 1), ent[kept], rest[kept],
                              np.maximum(after, 0), (after >= 0)[:, None].astype(np.int64),
                              np.stack([runs, runs >= real], 1), by_pos)

@@ -24,15 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _from(base, addr, ok):
-    """Pointers to the byte addresses `addr` (16-byte aligned: layers/attention.py `_fill_entries` names no other)
-    as base + offsets the compiler knows are multiples of 16 bytes, so a row's loads take 16 bytes at a time (from an
-    integer address it cannot know the alignment and loads one element at a time); base itself where not ok."""
-    size: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
-    o = tl.where(ok, (addr - base.to(tl.int64)) // size, 0)
-    return base + tl.multiple_of(o, 16 // size)
+from .triton_address import from_address
 
 
 @triton.jit
@@ -69,9 +61,10 @@ def _order_kernel(keys, values, kperm, free, cos, sin, ok, ov, M, lo, n_free, cs
         off = j - tl.load(etab + e_lo * EW + 2, mask=cached, other=0)
         ka = tl.load(etab + e_lo * EW, mask=cached, other=0)
         va = tl.load(etab + e_lo * EW + 1, mask=cached, other=0)
-        if ALIGNED:         # (rows of whole 16-byte groups at 16-byte aligned addresses: the loads take 16 bytes)
-            kbase = _from(free, ka, cached) + off * W
-            vbase = _from(values, va, cached) + off * WV
+        if ALIGNED:         # (rows of whole 16-byte groups at 16-byte aligned addresses, layers/attention.py
+            # `_fill_entries`: the loads take 16 bytes)
+            kbase = from_address(free, ka, cached) + off * W
+            vbase = from_address(values, va, cached) + off * WV
         else:
             kbase = ka.to(tl.pointer_type(free.dtype.element_ty)) + off * W
             vbase = va.to(tl.pointer_type(values.dtype.element_ty)) + off * WV
@@ -113,7 +106,7 @@ ALIGNED_ENTRIES = True
 
 
 def _aligned_rows(w: int, wv: int, kbase: torch.Tensor, vbase: torch.Tensor) -> bool:
-    """The entries' rows read 16 bytes at a time (`_from`): rows of whole 16-byte groups, bases the offsets are taken
+    """The entries' rows read 16 bytes at a time (`from_address`): rows of whole 16-byte groups, bases the offsets are taken
     from 16-byte aligned (the entries' addresses are: layers/attention.py `_fill_entries`)."""
     return all(n * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for n, t in ((w, kbase), (wv, vbase)))
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
+from .triton_address import from_address
 from .tuning import tuned_config
 
 _FROM_ZERO = tl.constexpr(STEP_FROM_ZERO)          # (a module global a kernel reads must be a constexpr)
@@ -223,7 +224,7 @@ def _chain_step(x, j, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, 
             xn = gam * x - tl.dot(tl.trans(kd), y, input_precision=PREC) + s
         else:
             if SPLIT:   # three tf32 products with T's parts as loaded: no split of T in the step
-                x_hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                x_hi = _trunc(x)
                 x_lo = x - x_hi
                 xn = tl.dot(t, x_lo, input_precision="tf32") + tl.dot(t_lo, x_hi, input_precision="tf32")
                 xn = tl.dot(t, x_hi, xn, input_precision="tf32") + s
@@ -270,12 +271,18 @@ def _step_s(row, a_addr, h, off_kv, off_as, m_kv, K: tl.constexpr, V: tl.constex
 
 
 @triton.jit
+def _trunc(v):
+    """fp32 v with its low 13 mantissa bits cleared: its tf32 part, truncated (the rest, v - _trunc(v), is exact)."""
+    return (v.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _tf32(v, EMULATE: tl.constexpr):
     """v as a tf32 product reads it: the wgmma instruction drops the low 13 mantissa bits of an fp32 operand (PTX ISA,
     wgmma.mma_async with .tf32); EMULATE (Triton's interpreter, whose products are exact fp32) drops them here, so the
     interpreter computes what the device does."""
     if EMULATE:
-        v = (v.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        v = _trunc(v)
     return v
 
 
@@ -317,7 +324,7 @@ def _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off
     tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mt)
     x_hi = _rna(x)
     x_lo = _rna(x - x_hi)
-    m_lo = _rna(m - (m.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True))
+    m_lo = _rna(m - _trunc(m))
     acc = tl.dot(m_lo, x_hi, input_precision="tf32")           # (the small products first, the large one last)
     acc = tl.dot(_tf32(m, EMULATE), x_lo, acc, input_precision="tf32")
     acc = tl.dot(_tf32(m, EMULATE), x_hi, acc, input_precision="tf32")
@@ -341,12 +348,13 @@ def _by_position(x, j0, j1, steps, maps, ou, s_ot, s_oh, h, rk, rv, H: tl.conste
     "tf32x3" orders them (H100 runs 114-115: 1.0-1.1e-5 relative after scan_bench's 24-step chain with the large
     product first, truncated or rounded parts alike, against 2.3e-6 for "tf32x3": the tensor cores' sums lose the small
     terms' low bits when they are added to a large running sum). Left out: M's rest times x_lo (below 2^-21 of the
-    term) and the parts' rounding (2^-11 of parts below 2^-10 and 2^-11 of the whole). A run's correction o_t += x^T u_t is three bf16 products (u_t is bf16; x as three bf16 parts,
-    within 2^-24 of x; each product exact, summed in fp32): x's two tf32 parts in the correction's operand layout would
-    not fit beside two maps in shared memory (239 KB at the 35B shape, 227 KB the most), its bf16 parts do."""
+    term) and the parts' rounding (2^-11 of parts below 2^-10 and 2^-11 of the whole).
+    A run's correction o_t += x^T u_t is three bf16 products (u_t is bf16; x as three bf16 parts, within 2^-24 of x;
+    each product exact, summed in fp32): x's two tf32 parts in the correction's operand layout would not fit beside
+    two maps in shared memory (239 KB at the 35B shape, 227 KB the most), its bf16 parts do."""
     tt = tl.arange(0, BT)
-    p0 = tl.load(steps + j0.to(tl.int64) * W, mask=j0 < j1, other=0) // (H * K * (V + K) * 4)   # (a run's row: its
-    # map's byte offset)
+    # (a run's row holds its map's byte offset in the buffer)
+    p0 = tl.load(steps + j0.to(tl.int64) * W, mask=j0 < j1, other=0) // (H * K * (V + K) * 4)
     off_m = rk[:, None] * (V + K) + V + rk[None, :]
     off_c = rk[:, None] * (V + K) + rv[None, :]
     if EMULATE:             # (Triton's interpreter cannot range over loaded bounds)
@@ -418,16 +426,13 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
                              m_kv, H, K, V, PREC, CORRECT, BT)
         x = _step_s(row0, a_addr, h, off_kv, rk[:, None] * (V + K) + rv[None, :], m_kv, K, V, FACTORS, EVEN)
         j0 += 1
-    if POSITION:            # (compiled only for dense maps with the correction, BK = K and blocks tiling V)
-        if (kind0 & _BY_POSITION) != 0:
-            if (kind0 & _FROM_ZERO) == 0:       # the first step as its row names it, the rest by position
-                x = _table_chain(x, j0, j0 + 1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
-                                 m_kv, H, K, V, PREC, 1, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT, False)
-                j0 += 1
-            x = _by_position(x, j0, j1, steps, maps, ou, s_ot, s_oh, h, rk, rv, H, K, V, W, BT, EMULATE)
-        else:
-            x = _table_chain(x, j0, j1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H,
-                             K, V, PREC, STAGES, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT, PREFETCH)
+    # (POSITION: compiled only for dense maps with the correction, BK = K and blocks tiling V)
+    if POSITION and (kind0 & _BY_POSITION) != 0:
+        if (kind0 & _FROM_ZERO) == 0:       # the first step as its row names it, the rest by position
+            x = _table_chain(x, j0, j0 + 1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
+                             m_kv, H, K, V, PREC, 1, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT, False)
+            j0 += 1
+        x = _by_position(x, j0, j1, steps, maps, ou, s_ot, s_oh, h, rk, rv, H, K, V, W, BT, EMULATE)
     else:
         x = _table_chain(x, j0, j1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K,
                          V, PREC, STAGES, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT, PREFETCH)
@@ -646,13 +651,10 @@ def _pair_row(pairs, F, p, h, r, H: tl.constexpr, K: tl.constexpr, WF: tl.conste
 @triton.jit
 def _aligned(base, addr, cached, ALIGNED: tl.constexpr):
     """An fp32 pointer to the cached map's byte address `addr` (16-byte aligned: cache/entry.py `addresses`, else the
-    fill's copies), made as base + an offset known to be a multiple of 4 elements: from an integer address the compiler
-    cannot know the alignment and loads 4 bytes at a time (sm_90a, offline: 177 scalar loads in the chunked form), from
-    an aligned pointer argument it loads 16. Where `cached` is false, base itself (the loads are masked). Without
-    ALIGNED (PAIR_ALIGNED off), the address as an integer, as before the thirty-sixth session."""
+    fill's copies), read 16 bytes at a time (ops/triton_address.py; base: the aligned output). Without ALIGNED
+    (PAIR_ALIGNED off), the address as an integer, as before the thirty-sixth session."""
     if ALIGNED:
-        off = tl.where(cached, (addr - base.to(tl.int64)) // 4, 0)
-        ptr = base + tl.multiple_of(off, 4)
+        ptr = from_address(base, addr, cached)
     else:
         ptr = tl.where(cached, addr, 0).to(tl.pointer_type(tl.float32))
     return ptr
@@ -771,9 +773,11 @@ def _pair_first(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.conste
 
 
 # (block rows, warps, form: False (whole rows) / True (halves) / a column chunk width / "first" (whole rows, every
-# load before the first product, `_pair_first`: thirty-fourth session, not yet timed on a GPU)) tried on a shape's
-# first eager call; the first is the default. H100 run 99 (scan_bench, us per layer at the warm request's shape): chunks of 32 at (128, 8) 135.5, at
-# (64, 4) 160.1; whole at (32, 4) 167.2 (run 98: whole at (16, 4), (64, 8), (32, 8) 196-232); halves 174-236
+# load before the first product, `_pair_first`: thirty-fourth session)) tried on a shape's first eager call; the first
+# is the default. H100 run 99 (scan_bench, us per layer at the warm request's shape): chunks of 32 at (128, 8) 135.5,
+# at (64, 4) 160.1; whole at (32, 4) 167.2 (run 98: whole at (16, 4), (64, 8), (32, 8) 196-232); halves 174-236.
+# The engine's tuner, H100 runs 112-116: "first" (32, 4) picked in 112 and 114 (126.3, 119.1 us), (64, 4, 32) in 115
+# and 116 (139.1, 131.9; "first" 151.1, 138.7): a tie
 PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True),     # (each built and run in run 99)
                 (32, 4, "first"), (64, 8, "first"))
 PAIR_TUNED: dict = {}
