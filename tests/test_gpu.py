@@ -1229,6 +1229,13 @@ for d in (256, 128, 20):                       # per-head widths; rows not a mul
     for act in ("silu", "sigmoid"):
         y0 = ref_rms_gated(x.double(), gt.double(), wt.double(), 1e-6, act)
         assert rel(norm_rows(x, wt, 1e-6, gate=gt, activation=act), y0) < 1e-6
+    # the gate read in place as columns of a wider matrix (a joined GEMM's z: groups of 3 rows, 3d + 10 apart),
+    # and one that is no such view (heads transposed: copied)
+    wide = torch.randn(37, 3 * d + 10)
+    gv = wide[:, 4:4 + 3 * d].unflatten(-1, (3, d))
+    assert rel(norm_rows(x, wt, 1e-6, gate=gv), ref_rms_gated(x.double(), gv.double(), wt.double(), 1e-6, "silu")) < 1e-6
+    gtr = torch.randn(3, 37, d).transpose(0, 1)
+    assert rel(norm_rows(x, wt, 1e-6, gate=gtr), ref_rms_gated(x.double(), gtr.double(), wt.double(), 1e-6, "silu")) < 1e-6
     assert rel(norm_rows(x, None, 1e-6, l2=True), ref_l2(x.double())) < 1e-6
     assert norm_rows(x[:0], wt, 1e-6).shape == (0, 3, d)
 from hypic.ops.triton_conv import gathered_conv

@@ -382,6 +382,85 @@ def test_joined_weights_equal_separate_projections_and_pad_rows():
         torch.testing.assert_close(pi.grad, x.sum(0).expand_as(pi))
 
 
+def test_packed_joins_are_the_parameters_storage_and_follow_their_writes():
+    """JoinedWeights.pack: the parts become views of one matrix (no copy: the join is their storage), in-place writes
+    into a part (load_state_dict, an optimizer step) are writes into the join, and a part given new storage
+    (`assign`, `.to()`) is no longer taken for packed: the copy of before, with its new values. Without packing
+    (USE_PACKED off) the same results (fp64: equal to rounding)."""
+    from hypic.layers import joined
+    from hypic.layers.joined import ROWS_MULTIPLE, JoinedWeights
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 24, generator=g, dtype=torch.float64)
+    ps = [torch.nn.Parameter(torch.randn(r, 24, generator=g, dtype=torch.float64)) for r in (8, 5, 1)]
+    want = [F.linear(x, p.detach()) for p in ps]
+    j = JoinedWeights()
+    j.pack(ps)
+    mat = j.packed(*ps)
+    assert mat is not None and mat.shape == (16, 24) and not mat[14:].any() and 16 % ROWS_MULTIPLE == 0
+    assert [p.data_ptr() for p in ps] == [mat.data_ptr() + r * 24 * 8 for r in (0, 8, 13)]
+    assert all(p.is_leaf and isinstance(p, torch.nn.Parameter) for p in ps)
+    grads = j.linear(x, *ps)                  # under autograd: the parts concatenated, so gradients reach them
+    sum(o.sum() for o in grads).backward()
+    assert all(p.grad is not None for p in ps)
+    with torch.no_grad():
+        assert j.weight(*ps) is mat
+        for o, w in zip(j.linear(x, *ps), want):
+            torch.testing.assert_close(o, w, rtol=1e-12, atol=1e-12)
+        assert j.packed(ps[1], ps[0], ps[2]) is None                   # another order is another join
+        ps[1].copy_(torch.ones(5, 24, dtype=torch.float64))              # an in-place load: the join sees it
+        assert j.weight(*ps) is mat and torch.equal(mat[8:13], torch.ones(5, 24, dtype=torch.float64))
+        ps[2].data = ps[2].data.clone() * 2                             # new storage: not packed any more
+        assert j.packed(*ps) is None
+        w = j.weight(*ps)
+        assert w.data_ptr() != mat.data_ptr() and torch.equal(w[13], ps[2][0])
+    joined.USE_PACKED = False
+    try:
+        ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        j2 = JoinedWeights()
+        j2.pack(ps2)
+        with torch.no_grad():
+            assert j2.packed(*ps2) is None and j2.weight(*ps2).data_ptr() != ps2[0].data_ptr()
+    finally:
+        joined.USE_PACKED = True
+
+
+def test_packed_models_equal_their_unpacked_projections():
+    """models/loader.py packs every join a model names (a linear layer's q | k | v | z | b | a, the attention's
+    q | k | v, the router with the shared expert's inputs); the logits equal those with the projections run apart
+    (USE_PACKED off: the GEMMs of before) to fp32 rounding of the same dot products (2e-6 relative: the joined GEMM
+    may block its sums otherwise), and every packed join is used."""
+    from hypic import LLM, Prompt
+    from hypic.layers import joined
+
+    prompt = Prompt(segments=[list(range(3, 40)), list(range(50, 90))], query=list(range(5, 12)))
+    for name in ("tiny-qwen3.5-moe", "tiny-olmo-hybrid", "tiny-llama"):
+        llm = LLM(name, cache_mode="full", dtype="float32")
+        joins = [j for m in llm.engine.model.modules() if hasattr(m, "joined_parts") for j, _ in m.joined_parts()]
+        assert joins and all(j._packed is not None for j in joins), name
+        a = llm.next_token_logits(prompt)
+        joined.USE_PACKED = False
+        try:
+            b = llm.next_token_logits(prompt)
+        finally:
+            joined.USE_PACKED = True
+        assert float((a - b).norm() / b.norm()) < 2e-6, name
+    moe = next(m for m in LLM("tiny-qwen3.5-moe", dtype="float32").engine.model.modules()
+               if type(m).__name__ == "SparseMoe")
+    (join, parts), = moe.joined_parts()
+    assert parts[0] is moe.gate.weight and join.packed(*parts) is not None    # the router's columns come first
+
+
+def test_route_from_given_logits_equals_route():
+    from hypic.ops.reference.moe import route
+
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(7, 16, generator=g), torch.randn(12, 16, generator=g)
+    for norm in (False, True):
+        a, b = route(x, w, 3, norm), route(x, w, 3, norm, logits=F.linear(x, w))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 @pytest.mark.parametrize("lens", [[1, 1, 1, 1, 1], [4, 4, 4]])
 def test_varlen_of_one_length_is_a_view_and_equals_separate_sequences(lens):
     """Sequences of one length (a decode step: R runs of one token, CPU cu_seqlens) are laid out by a reshape,

@@ -437,6 +437,15 @@ class RopeAttention(AttentionMixer):
         return self.rotary[0].apply(q, cos, sin)
 
 
+def _unbiased(m) -> bool:
+    return all(isinstance(p, nn.Linear) and p.bias is None for p in (m.q_proj, m.k_proj, m.v_proj))
+
+
+def _qkv_parts(m) -> list:
+    """q | k | v packed into one matrix at load time (layers/joined.py pack_model) where none has a bias."""
+    return [(m._qkv, [m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])] if _unbiased(m) else []
+
+
 class GatedAttention(RopeAttention):
     """Qwen3.5 / Qwen3-Next: q_proj emits [query | gate] per head; q and k get a per-head RMSNorm,
     then partial RoPE; the output is multiplied by sigmoid(gate)."""
@@ -455,14 +464,23 @@ class GatedAttention(RopeAttention):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, ops)
         self.scale = self.hd ** -0.5
         self._kv = JoinedWeights()
+        self._qkv = JoinedWeights()            # all three, where packed (layers/joined.py)
+
+    def joined_parts(self) -> list:
+        return _qkv_parts(self)
 
     def project(self, x, batch):
         n = x.shape[0]
-        q, gate = self.q_proj(x).view(n, self.nh, 2 * self.hd).chunk(2, dim=-1)
-        if self.k_proj.bias is None and self.v_proj.bias is None:        # keys and values by one GEMM
-            k, v = self._kv.linear(x, self.k_proj.weight, self.v_proj.weight)
+        ws = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        if _unbiased(self) and self._qkv.packed(*ws) is not None:       # queries, keys and values by one GEMM
+            qg, k, v = self._qkv.linear(x, *ws)
         else:
-            k, v = self.k_proj(x), self.v_proj(x)
+            qg = self.q_proj(x)
+            if self.k_proj.bias is None and self.v_proj.bias is None:    # keys and values by one GEMM
+                k, v = self._kv.linear(x, self.k_proj.weight, self.v_proj.weight)
+            else:
+                k, v = self.k_proj(x), self.v_proj(x)
+        q, gate = qg.reshape(n, self.nh, 2 * self.hd).chunk(2, dim=-1)
         k = self.k_norm(k.view(n, self.num_kv_heads, self.hd))
         return self.q_norm(q), k, v.view(n, self.num_kv_heads, self.hd), gate
 
@@ -490,11 +508,20 @@ class Attention(RopeAttention):
         self.v_proj = nn.Linear(hs, self.num_kv_heads * self.hd, bias=qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, hs, bias=o_bias)
         self.scale = self.hd ** -0.5
+        self._qkv = JoinedWeights()            # where packed (layers/joined.py)
+
+    def joined_parts(self) -> list:
+        return _qkv_parts(self)
 
     def project(self, x, batch):
         n = x.shape[0]
-        return (self.q_proj(x).view(n, self.nh, self.hd), self.k_proj(x).view(n, self.num_kv_heads, self.hd),
-                self.v_proj(x).view(n, self.num_kv_heads, self.hd), None)
+        ws = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        if _unbiased(self) and self._qkv.packed(*ws) is not None:       # queries, keys and values by one GEMM
+            q, k, v = self._qkv.linear(x, *ws)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.reshape(n, self.nh, self.hd), k.reshape(n, self.num_kv_heads, self.hd),
+                v.reshape(n, self.num_kv_heads, self.hd), None)
 
     def output(self, x, out, extra):
         return self.o_proj(out.reshape(x.shape[0], -1))

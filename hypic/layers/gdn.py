@@ -53,6 +53,7 @@ class GatedDeltaNet(LinearMixer):
         self.in_proj_b = nn.Linear(hs, self.hv, bias=False)
         self.in_proj_a = nn.Linear(hs, self.hv, bias=False)
         self._ab = JoinedWeights()
+        self._in = JoinedWeights()             # all four, where packed (layers/joined.py)
         self.recurrence_params()
         self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, ops, getattr(cfg.params, "linear_output_gate", "silu"))
         self.out_proj = nn.Linear(self.value_dim, hs, bias=False)
@@ -85,11 +86,22 @@ class GatedDeltaNet(LinearMixer):
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
 
+    def _input_weights(self) -> list:
+        return [self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight]
+
+    def joined_parts(self) -> list:
+        """The four input projections, packed into one matrix at load time (layers/joined.py pack_model)."""
+        return [(self._in, self._input_weights())]
+
     def features(self, x, batch):
-        # the decay and write-strength inputs, [HV] each, by one GEMM (layers/joined.py)
-        b, a = self._ab.linear(x, self.in_proj_b.weight, self.in_proj_a.weight)
+        if self._in.packed(*self._input_weights()) is not None:      # every input projection by one GEMM
+            raw, z, b, a = self._in.linear(x, *self._input_weights())
+        else:
+            # the decay and write-strength inputs, [HV] each, by one GEMM (a copy of two small matrices)
+            b, a = self._ab.linear(x, self.in_proj_b.weight, self.in_proj_a.weight)
+            raw, z = self.in_proj_qkv(x), self.in_proj_z(x)
         g = self.ops.gdn_gate(a, self.A_log, self.dt_bias)   # [N, HV] fp32
-        return {"raw": self.in_proj_qkv(x), "z": self.in_proj_z(x), "g": g, "beta": torch.sigmoid(b)}
+        return {"raw": raw, "z": z, "g": g, "beta": torch.sigmoid(b)}
 
     def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None, init_augmented=False,
                max_len=None, factors=False, values=False):
@@ -127,5 +139,6 @@ class GatedDeltaNet(LinearMixer):
         return o[0], final, t, s
 
     def output(self, x, o, f):
-        z = f["z"].reshape(-1, self.dv)
-        return self.out_proj(self.norm(o.reshape(-1, self.dv), z).reshape(x.shape[0], self.value_dim))
+        # [N, HV, dv]: z may be columns of the input projections' joined GEMM, read in place by the fused norm
+        z = f["z"].unflatten(-1, (self.hv, self.dv))
+        return self.out_proj(self.norm(o.reshape(-1, self.hv, self.dv), z).reshape(x.shape[0], self.value_dim))

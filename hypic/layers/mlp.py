@@ -71,14 +71,33 @@ class SparseMoe(nn.Module):
         se = self.shared_expert
         return self._shared_in.linear(x, se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight)
 
-    def forward(self, x):
-        weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk)
+    def _input_weights(self) -> tuple:
         se = self.shared_expert
-        if se.gate_proj.bias is not None or se.up_proj.bias is not None:
-            shared = (self.shared_expert_gate(x), se(x))
-        else:
-            gate, up, sg = self.shared_in(x)
+        return self.gate.weight, se.gate_proj.weight, se.up_proj.weight, self.shared_expert_gate.weight
+
+    def _unbiased(self) -> bool:
+        se = self.shared_expert
+        return se.gate_proj.bias is None and se.up_proj.bias is None and self.shared_expert_gate.bias is None
+
+    def joined_parts(self) -> list:
+        """The router, the shared expert's gate and up projections and its gate packed into one matrix at load time
+        (layers/joined.py pack_model): every GEMM of the layer's input but the routed experts' in one."""
+        return [(self._shared_in, list(self._input_weights()))] if self._unbiased() else []
+
+    def forward(self, x):
+        se = self.shared_expert
+        ws = self._input_weights()
+        if self._unbiased() and self._shared_in.packed(*ws) is not None:
+            logits, gate, up, sg = self._shared_in.linear(x, *ws)
+            weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk, logits=logits)
             shared = (sg, se.down_proj(F.silu(gate) * up))
+        else:
+            weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk)
+            if se.gate_proj.bias is not None or se.up_proj.bias is not None:
+                shared = (self.shared_expert_gate(x), se(x))
+            else:
+                gate, up, sg = self.shared_in(x)
+                shared = (sg, se.down_proj(F.silu(gate) * up))
         # y + sigmoid(gate) * out, added by the experts' combine (one kernel on the fast backend's few-rows path)
         return self.ops.experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
                                         shared=shared)

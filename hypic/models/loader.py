@@ -17,6 +17,7 @@ import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..errors import ConfigError, WeightsError
+from ..layers.joined import pack_model
 from ..ops import get_backend
 from ..segment.tokenizer import Tokenizer
 from . import presets
@@ -43,6 +44,7 @@ def load_model(source: str, engine: EngineConfig) -> LoadedModel:
         model = _build(cfg, engine)
         model.init_dummy(_generator(engine))
         fp = _fingerprint(cfg, f"preset:{source}:seed={engine.seed}:{_draw_order(model)}", engine.dtype)
+        pack_model(model)
         return LoadedModel(cfg, model, tok, fp, source)
     if not path.is_dir():
         raise ConfigError(f"model {source!r} is neither a preset ({sorted(presets.PRESETS)}) nor a directory")
@@ -56,6 +58,7 @@ def load_model(source: str, engine: EngineConfig) -> LoadedModel:
         files = _weight_files(path)
         load_safetensors(model, cfg, files)
         ident = "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    pack_model(model)
     return LoadedModel(cfg, model, tok, _fingerprint(cfg, ident, engine.dtype), str(path.resolve()))
 
 
@@ -89,7 +92,8 @@ def _build(cfg: ModelConfig, engine: EngineConfig, device=None) -> torch.nn.Modu
 def from_tensors(cfg: ModelConfig, tensors: dict, engine: EngineConfig, ident: str) -> LoadedModel:
     """A model whose parameters ARE the given checkpoint-named tensors (after the architecture's
     conversion), with no copy where the layouts agree: e.g. a transformers model's state dict on the
-    GPU, for a side-by-side benchmark with one set of weights in memory."""
+    GPU, for a side-by-side benchmark with one set of weights in memory. The projections that read one
+    input are then packed into one matrix each (layers/joined.py), their only copy."""
     model = _build(cfg, engine, device="meta")
     tensors = converter(cfg.arch)(dict(tensors), cfg)
     params = dict(model.named_parameters())
@@ -100,6 +104,7 @@ def from_tensors(cfg: ModelConfig, tensors: dict, engine: EngineConfig, ident: s
     model.load_state_dict({k: tensors[k].to(params[k].dtype) for k in params}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    pack_model(model)       # (the joined projections become views of one new matrix each: their only copy)
     return LoadedModel(cfg, model.eval(), None, _fingerprint(cfg, ident, engine.dtype), ident)
 
 

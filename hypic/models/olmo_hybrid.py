@@ -43,6 +43,11 @@ class OlmoGatedDeltaNet(GatedDeltaNet):
         self.beta_scale = 2.0 if cfg.params.allow_neg_eigval else 1.0
         self._qkv, self._ab = JoinedWeights(), JoinedWeights()
 
+    def joined_parts(self) -> list:
+        """q | k | v and b | a packed at load time (layers/joined.py pack_model): the joins without their copies."""
+        return [(self._qkv, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+                (self._ab, [self.b_proj.weight, self.a_proj.weight])]
+
     def features(self, x, batch):
         # q | k | v (the conv's input, in the order of the conv's channels) by one GEMM, b and a by another
         raw = F.linear(x, self._qkv.weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))

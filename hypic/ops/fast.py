@@ -811,7 +811,7 @@ def decode_attention(q, k, v, lengths, *, scale: float, allowed=None):
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
     rep = h // hkv
-    s = _scaled_scores(q.view(b * hkv, rep, d), k.reshape(b * hkv, cap, d).transpose(1, 2), scale)
+    s = _scaled_scores(q.reshape(b * hkv, rep, d), k.reshape(b * hkv, cap, d).transpose(1, 2), scale)
     s = s.view(b, hkv, rep, cap)                                                    # [B, Hkv, rep, C]
     hide = torch.arange(cap, device=q.device)[None, :] >= lengths[:, None]
     if allowed is not None:
@@ -833,16 +833,16 @@ SORT_MAX = 8192            # ops/triton_route.py's rank sort: at most this many 
 ROUTE_KERNELS = True       # False: routing and sort by PyTorch ops (gpu_bench's side-by-side variant)
 
 
-def route(x, router, top_k: int, norm_topk_prob: bool):
-    """The reference signature (ops/reference/moe.py): the router's GEMM, then softmax, top k and the
-    renormalisation in one Triton kernel (ops/triton_route.py); the reference where it cannot run."""
+def route(x, router, top_k: int, norm_topk_prob: bool, logits=None):
+    """The reference signature (ops/reference/moe.py): the router's GEMM (unless its logits are given), then softmax,
+    top k and the renormalisation in one Triton kernel (ops/triton_route.py); the reference where it cannot run."""
     kern = triton_kernel("route", x, router) if ROUTE_KERNELS and triton_here(x) else None
     if kern is not None:
         try:
-            return kern(F.linear(x, router), top_k, norm_topk_prob)
+            return kern(F.linear(x, router) if logits is None else logits, top_k, norm_topk_prob)
         except Exception as err:
             kernel_failed("route", err)
-    return ref.route(x, router, top_k, norm_topk_prob)
+    return ref.route(x, router, top_k, norm_topk_prob, logits=logits)
 
 
 def _sort_by_expert(flat, e: int, few: bool):

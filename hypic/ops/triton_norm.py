@@ -28,8 +28,8 @@ MAX_WIDTH = 512     # wider rows keep fla's kernels, whose tuning key has no row
 
 
 @triton.jit
-def _norm_rows(x, g, w, y, T, eps, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, KIND: tl.constexpr,
-               SILU: tl.constexpr):
+def _norm_rows(x, g, w, y, T, eps, g_group, g_stride, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+               KIND: tl.constexpr, SILU: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     cols = tl.arange(0, BD)
     mc = cols < D
@@ -43,7 +43,9 @@ def _norm_rows(x, g, w, y, T, eps, D: tl.constexpr, BD: tl.constexpr, BT: tl.con
         yv = xv * (1.0 / tl.sqrt(ss / D + eps))[:, None]
         yv = yv * tl.load(w + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
         if KIND == 1:
-            gv = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
+            # the gate's rows in groups of g_group contiguous rows, g_stride apart (a view of a joined GEMM's columns)
+            g_off = (rows // g_group * g_stride + rows % g_group * D)[:, None] + cols[None, :]
+            gv = tl.load(g + g_off, mask=m, other=0.0).to(tl.float32)
             if SILU:
                 yv = yv * (gv * tl.sigmoid(gv))
             else:
@@ -72,12 +74,26 @@ def norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, gate:
     if t == 0:
         return y.view(x.shape)
     kind = 2 if l2 else 1 if gate is not None else 0
-    g = gate.reshape(-1, d).contiguous() if gate is not None else xr
+    g, g_group, g_stride = _grouped_rows(gate, d) if gate is not None else (xr, 1, d)
     w = weight.contiguous() if weight is not None else xr
     bd, bt, warps = _config(d)
-    _norm_rows[(triton.cdiv(t, bt),)](xr, g, w, y, t, eps, D=d, BD=bd, BT=bt, KIND=kind,
+    _norm_rows[(triton.cdiv(t, bt),)](xr, g, w, y, t, eps, g_group, g_stride, D=d, BD=bd, BT=bt, KIND=kind,
                                       SILU=activation == "silu", num_warps=warps)
     return y.view(x.shape)
+
+
+def _grouped_rows(t: torch.Tensor, d: int) -> tuple[torch.Tensor, int, int]:
+    """t [..., G, d] as (tensor, G, stride): its rows in groups of G contiguous rows of d, `stride` elements apart
+    (a linear layer's gate: columns of a joined GEMM's output, [N, H, d] with row stride > H * d), read in place;
+    a copy (G = 1, stride d) where t is not so laid out."""
+    if t.dim() >= 2 and t.stride(-1) == 1 and t.stride(-2) == d:
+        try:
+            lead = t.view(-1, t.shape[-2], d)
+        except RuntimeError:
+            lead = None
+        if lead is not None and (lead.shape[0] <= 1 or lead.stride(0) >= t.shape[-2] * d):
+            return lead, t.shape[-2], lead.stride(0) if lead.shape[0] > 1 else t.shape[-2] * d
+    return t.reshape(-1, d).contiguous(), 1, d
 
 
 __all__ = ["norm_rows", "MAX_WIDTH"]

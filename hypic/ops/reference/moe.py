@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 
-def route(x, router, top_k: int, norm_topk_prob: bool):
-    """Returns (weights [N, k] in x's dtype, experts [N, k] int64)."""
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+def route(x, router, top_k: int, norm_topk_prob: bool, logits=None):
+    """Returns (weights [N, k] in x's dtype, experts [N, k] int64). logits: x router^T where the caller has it (a
+    joined GEMM's columns, layers/mlp.py)."""
+    probs = torch.softmax(F.linear(x, router) if logits is None else logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
