@@ -429,10 +429,7 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 # the projections that read one input by their GEMMs of before the 37th session (a linear layer's
                 # q | k | v, z and b | a; the attention's q and k | v; the router and the shared expert's inputs), not
                 # by one GEMM over their packed matrix (layers/joined.py)
-                ("joins_apart", flag(_joined, "USE_PACKED", False), {}),
-                # the request's chain taking each seam run with its cached map itself, no pair kernel's map (37th)
-                ("pairs_fused" if not _linear.FUSED_PAIRS else "pairs_unfused",
-                 flag(_linear, "FUSED_PAIRS", not _linear.FUSED_PAIRS), {})]
+                ("joins_apart", flag(_joined, "USE_PACKED", False), {})]
     if _tr is not None:
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
     try:

@@ -30,7 +30,7 @@ sys.modules["fla"] = None
 SMEM_LIMIT = 232448          # bytes per block on the H200 (Triton's OutOfResources limit there)
 
 
-def scan_build(bv=32, warps=8, stages=2, factors=False, correct=True, split=False, position=None, fused=False):
+def scan_build(bv=32, warps=8, stages=2, factors=False, correct=True, split=False, position=None):
     """Compile `_scan_steps_kernel` at the 35B shape (32 heads, K = V = 128) for sm_90a; (registers, spill stores
     and loads in bytes, shared memory in bytes) from ptxas -v."""
     import triton
@@ -39,15 +39,13 @@ def scan_build(bv=32, warps=8, stages=2, factors=False, correct=True, split=Fals
 
     from hypic.ops import triton_scan as ts
 
-    names = ["init", "steps", "a_addr", "f_addr", "before", "final", "cu", "ou", "s_ot", "s_oh", "maps", "pairs", "pF",
-             "pU"]
-    sig = dict(zip(names, ["*fp32", "*i64", "i64", "i64", "*fp32", "*fp32", "*i32", "*bf16", "i32", "i32", "*fp32",
-                           "*i64", "*fp32", "*fp32"]))
+    names = ["init", "steps", "a_addr", "f_addr", "before", "final", "cu", "ou", "s_ot", "s_oh", "maps"]
+    sig = dict(zip(names, ["*fp32", "*i64", "i64", "i64", "*fp32", "*fp32", "*i32", "*bf16", "i32", "i32", "*fp32"]))
     if position is None:            # as scan_steps compiles it: dense maps with the correction (ops/triton_scan.py)
-        position = fused or (ts.BY_POSITION and not factors and correct and not split and ts.position_fits(128, bv))
+        position = ts.BY_POSITION and not factors and correct and not split and ts.position_fits(128, bv)
     const = dict(H=32, K=128, V=128, BK=128, BV=bv, PREC="tf32x3", STAGES=stages, W=7 if split else 6,
                  CORRECT=correct, BT=16, FACTORS=factors, BF=16, EVEN=True, SPLIT=split, POSITION=position,
-                 EMULATE=False, FUSED=fused, WF=16, PW=6)
+                 EMULATE=False)
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}     # as the device specialises them
     src = ASTSource(fn=ts._scan_steps_kernel, signature=sig, constexprs=const, attrs=attrs)

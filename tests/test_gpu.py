@@ -41,8 +41,7 @@ def _run_in_interpreter(code: str) -> None:
 def test_compose_kernels_build_for_sm90():
     """No GPU needed (CI has triton): every configuration of the compose pass's Triton kernels that the runtime may
     launch (the chain scan's tuner configurations in the compose pass's form, dense and factored, and those with the
-    walk by position within the H200's shared memory; the fused chain's, at the shared memory FUSED_SMEM records; the
-    attention, its
+    walk by position within the H200's shared memory; the attention, its
     fold, the pair maps, the query tail, the key ordering, the experts, the summaries: benchmarks/kernel_resources.py's
     builds) compiles for sm_90a with the ptxas Triton ships, at most 255 registers; the defaults also fit the H200's
     shared memory. Triton's interpreter runs source the compiler may refuse: H100 run 111 found the chain's from-zero
@@ -66,11 +65,6 @@ for bv, w, st in ts._CONFIGS:                      # the compose pass's form (co
         assert r["registers"] is not None and r["registers"] <= 255, (bv, w, st, factors, r)
         if not factors and ts.position_fits(128, bv):       # with the walk by position: it must also fit
             assert r["shared"] <= kr.SMEM_LIMIT, (bv, w, st, r)
-for bv, w, st in ts.FUSED_CONFIGS:                 # the fused chain's: its recorded shared memory is the build's
-    r = kr.scan_build(bv=bv, warps=w, stages=st, fused=True)
-    assert r["registers"] is not None and r["registers"] <= 255, (bv, w, st, r)
-    assert r["shared"] == ts.FUSED_SMEM[(128, bv, st)] and ts.fused_fits(128, bv, st), (bv, w, st, r)
-assert not ts.fused_fits(128, 32, 2) and not ts.fused_fits(128, 64, 1)
 import torch
 default = kr.scan_build(*ts._default(1, 32, 128, torch.device("cpu")))
 assert default["shared"] <= kr.SMEM_LIMIT, default
@@ -757,31 +751,6 @@ def test_cuda_graph_compose_matches_eager_buffers(preset):
 
 
 @cuda
-def test_cuda_graph_compose_with_fused_pairs():
-    """FUSED_PAIRS (layers/linear.py): the request's chain takes each seam run with its cached map itself in the scan
-    (ops/triton_scan.py `_fused_by_position`), the pair kernel skipping those runs, inside the captured graph; bf16 (the
-    walk by position's dtype), against the captured pass with the pair kernel's maps. The two differ by the order of
-    fp32-level products on the states (~1e-6) and the bf16 roundings downstream of them: the logits within 2e-2
-    relative, the greedy tokens equal (the yardstick: bf16 against fp32 of the same pass, ~1e-2)."""
-    import hypic.compose.scan as sc_mod
-    from hypic.layers import linear as lin
-
-    calls = []
-    real = sc_mod.scan_steps          # (the compose pass imports it at each call)
-    sc_mod.scan_steps = lambda *a, **kw: calls.append(kw.get("fused") is not None) or real(*a, **kw)
-    try:
-        got = _with_flags([(lin, "FUSED_PAIRS")], (False, True), _compose_prompts((10, 10, 10)), 1, dtype="bfloat16")
-    finally:
-        sc_mod.scan_steps = real
-    assert any(calls) and not all(calls)                 # the fused chain taken with the flag only
-    for (_, llm) in got.values():
-        assert llm.engine.composer.captures == 1
-    for a, b in zip(got[False][0][1:], got[True][0][1:]):
-        assert a.token_ids == b.token_ids
-        assert rel(b.logits, a.logits) < 2e-2
-
-
-@cuda
 def test_cuda_graph_compose_with_low_rank_pairs():
     """LOWRANK_PAIRS (layers/linear.py): the seam runs' summaries as factors and values, every run's dense map made by
     the pair kernel (composed with the cached map after it), the chain one step shorter per segment, all inside the
@@ -1370,19 +1339,11 @@ cg.COPY_BY_ADDRESS = True                      # the fill's packing through the 
 # into pieces of 16 tokens (default), 32 or 64 (the 41-token query in two pieces or one: the summary's chunk, the pairs'
 # factors and the scan's correction rows 64 wide)
 # (the 41-token query's pieces outside the chain as its tail, QUERY_TAIL, except where it is off: 0)
-import hypic.compose.scan as sc_mod
-fused_calls = []
-_scan_steps = sc_mod.scan_steps           # (the compose pass imports it at each call: a spy here sees every call)
-sc_mod.scan_steps = lambda *a, **kw: fused_calls.append(kw.get("fused") is not None) or _scan_steps(*a, **kw)
-# (fused: the request's chain takes its runs with their cached maps itself, FUSED_PAIRS; the pair kernel skips them)
-for factored, paired, skip, sub, tail, fused in ((False, False, False, 16, 64, False), (True, False, False, 16, 64, False),
-                                                 (False, True, False, 16, 64, False), (False, True, True, 16, 64, False),
-                                                 (False, True, False, 16, 0, False), (False, True, False, 32, 0, False),
-                                                 (False, True, False, 64, 64, False), (False, True, False, 16, 64, True),
-                                                 (False, True, True, 16, 0, True)):
+for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, False, False, 16, 64),
+                                          (False, True, False, 16, 64), (False, True, True, 16, 64),
+                                          (False, True, False, 16, 0), (False, True, False, 32, 0),
+                                          (False, True, False, 64, 64)):
     lin.RUN_FACTORS, lin.LOWRANK_PAIRS, lin.SKIP_PAD_PAIRS = factored, paired, skip   # skip: the pads' maps unmade
-    lin.FUSED_PAIRS = fused
-    fused_calls.clear()
     cg.SUB_RUN, cg.QUERY_TAIL = sub, tail
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
     got = [llm.generate([p], sp)[0] for p in ps]
@@ -1401,18 +1362,13 @@ for factored, paired, skip, sub, tail, fused in ((False, False, False, 16, 64, F
         assert cu_m[1] - cu_p[1] == 3 and cu_m[2] - cu_p[2] == 3, (cu_m, cu_p)
         assert (lay0["pairs"][:, 0] != 0).sum() == 3
         # every step after the chain's first a run's map at the next slot: taken by position (STEP_BY_POSITION)
-        from hypic.compose.scan import PAIR_FUSED, STEP_BY_POSITION
+        from hypic.compose.scan import STEP_BY_POSITION
         assert int(lay0["steps_host"][0, 2]) & STEP_BY_POSITION
-        # the runs the chain walks by position (its steps after the first) marked for the fused scan, and the scan
-        # given the pairs where fused
-        assert int(((lay0["pairs_host"][:, 3] & PAIR_FUSED) != 0).sum()) == cu_p[1] - 1 > 0, lay0["pairs_host"]
-        assert fused_calls and all(fused_calls) == fused and any(fused_calls) == fused, (fused, fused_calls)
     last = list(llm.engine.composer.ready)[-1]              # the 41-token query's shape
     assert last.tail == (-(-41 // sub) if tail else 0), (last, sub, tail)          # the query's runs (pieces of sub)
     if sub > 16:                # the longest run of the last request (41 tokens) in one or two pieces (the pads too)
         assert last.lmax == 32 if sub == 32 else last.lmax > 32, last
-lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = lin.FUSED_PAIRS = False
-sc_mod.scan_steps = _scan_steps
+lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
 cg.SUB_RUN, cg.QUERY_TAIL = 16, 0
 # the cached keys and values read in place by the ordering kernel (layers/attention.py ORDER_FROM_ENTRIES): not packed
 from hypic.layers import attention as attn_mod
@@ -1593,101 +1549,6 @@ for first, p0, from_zero in ((0, 1, False), (1, 0, True), (None, 0, False), (Non
             got = outs.clone()
             _, f = triton_scan.scan_steps(init, t, cu, runs, 2 + N, outputs=got, max_run=8, bv=bv, position=pos)
             assert rel(f, want_f) < 1e-6 and rel(got[..., :V], want_o) < 1e-6, (first, p0, bv, pos)
-print("ok")
-"""
-    _run_in_interpreter(code)
-
-
-@needs_triton
-def test_triton_scan_fused_pairs_in_interpreter():
-    """The fused chain (ops/triton_scan.py `_fused_by_position`, layers/linear.py FUSED_PAIRS): a chain flagged by position
-    whose steps after the first are each a seam run from its factors (Kd, W, g) and values U and the cached map its pair
-    row names, x <- T_e (g x + Kd^T (U - W x)) + S_e (no cached map: the run alone), each run's outputs corrected from
-    the state entering it, with no pair kernel's map. In Triton's interpreter (tf32 truncation emulated as for the walk
-    by position; the thin products in fp32), final states and corrected outputs against the fp64 chain within 1e-6: the
-    first step a cached map's (from zero or not) or a run's, value blocks of 16 and 32, a run with no cached map after
-    it, beside a second, unflagged chain; mutants (the pair rows one off, g left out) fail it."""
-    code = """
-import sys
-sys.modules["fla"] = None; sys.modules["causal_conv1d"] = None
-import torch
-from hypic.ops import triton_scan
-from hypic.compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
-torch.manual_seed(0)
-H, K, V, N, WF = 2, 32, 32, 5, 16
-rel = lambda a, b: float((a.double() - b).norm() / b.norm())
-T_e = [torch.randn(H, K, K) / K ** .5 * .9 for _ in range(N + 1)]
-S_e = [torch.randn(H, K, V) for _ in range(N + 1)]
-runs = torch.cat([torch.randn(N, H, K, V), torch.randn(N, H, K, K) / K ** .5 * .9], -1).contiguous()   # [c | M]
-F = torch.zeros(N, H, 2 * WF + 1, K)
-F[:, :, :WF] = torch.randn(N, H, WF, K) * .2                 # Kd
-F[:, :, WF:2 * WF] = torch.randn(N, H, WF, K) * .2           # W
-F[:, :, 2 * WF, 0] = torch.rand(N, H) * .5 + .5              # g
-U = torch.randn(N, H, WF, V)
-lens, t0 = [3, 5, 2, 4, 1], [0, 3, 8, 10, 14]
-outs = torch.randn(15, H, V + K)
-outs[..., V:] = outs[..., V:].bfloat16().float()
-after = [1, 2, None, 4, 5]                                   # each run's cached map (None: none follows run 2)
-pairs = torch.zeros(N, 6, dtype=torch.int64)
-for i, a in enumerate(after):
-    pairs[i, 2] = i
-    if a is not None:
-        pairs[i, 0], pairs[i, 1] = T_e[a].data_ptr(), S_e[a].data_ptr()
-
-
-def run_map(i, x, g_on=True):
-    kd, w, g = F[i, :, :WF].double(), F[i, :, WF:2 * WF].double(), F[i, :, 2 * WF, 0].double()[:, None, None]
-    z = (g if g_on else 1) * x + kd.transpose(1, 2) @ (U[i].double() - w @ x)
-    a = after[i]
-    return z if a is None else T_e[a].double() @ z + S_e[a].double()
-
-
-def rows_for(first, p0, p1):
-    rows = [] if first is None else [[T_e[first].data_ptr(), S_e[first].data_ptr(), 0, first, 0, 0]]
-    for i in range(p0, p1):
-        off = i * H * K * (V + K) * 4
-        rows.append([off, off, 1, 10 + i, t0[i], lens[i]])
-    return rows
-
-
-def reference(init, chains, fused_rows, shift=0, g_on=True):
-    o = outs.double().clone()
-    finals = []
-    for c, (x, rows) in enumerate(zip(init.double(), chains)):
-        for n, (tv, sv, kind, slot, a, cnt) in enumerate(rows):
-            if kind & 1:
-                i = slot - 10
-                o[a:a + cnt, :, :V] += torch.einsum("nhk,hkv->nhv", o[a:a + cnt, :, V:], x)
-                if c == 0 and n >= fused_rows:
-                    x = run_map(min(i + shift, N - 1), x, g_on)
-                else:
-                    x = runs[i, :, :, V:].double() @ x + runs[i, :, :, :V].double()
-            else:
-                x = T_e[slot].double() @ x + S_e[slot].double()
-        finals.append(x)
-    return o[..., :V], torch.stack(finals)
-
-
-for first, p0, from_zero in ((0, 1, False), (0, 0, True), (None, 0, False), (None, 1, True)):
-    chain0 = rows_for(first, p0, 4)
-    chain1 = rows_for(None, 4, 5)                         # a second chain of one run (unflagged: its dense map)
-    tbl = torch.tensor(chain0 + chain1, dtype=torch.int64)
-    tbl[0, 2] |= STEP_BY_POSITION
-    cu = torch.tensor([0, len(chain0), len(chain0) + 1], dtype=torch.int32)
-    init = torch.randn(2, H, K, V)
-    if from_zero:
-        init[0] = 0
-        tbl[0, 2] |= STEP_FROM_ZERO
-    chains = [tbl[:len(chain0)].tolist(), tbl[len(chain0):].tolist()]
-    want_o, want_f = reference(init, chains, 1)
-    for bv in (16, 32):
-        got = outs.clone()
-        _, f = triton_scan.scan_steps(init, tbl, cu, runs, 10 + N, outputs=got, max_run=8, bv=bv, position=True,
-                                      fused=(pairs, F, U))
-        assert rel(f, want_f) < 1e-6 and rel(got[..., :V], want_o) < 1e-6, (first, p0, bv)
-    for shift, g_on in ((1, True), (0, False)):           # mutants: the pair rows one off; g left out
-        bad_o, bad_f = reference(init, chains, 1, shift, g_on)
-        assert rel(bad_f, want_f) > 1e-3, (shift, g_on)
 print("ok")
 """
     _run_in_interpreter(code)

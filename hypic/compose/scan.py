@@ -24,20 +24,6 @@ STEP_FROM_ZERO = 2
 # through the row's offset: the loads no longer wait on the row's, and Triton's pipeliner keeps two maps in flight (ops/
 # triton_scan.py `_by_position`)
 STEP_BY_POSITION = 4
-# the low-rank pairs' table (ops/triton_scan.py `pair_lowrank`), a run's skip bits (its fourth column): PAIR_PAD a pad
-# run; PAIR_FUSED a run of a chain flagged by position, which a fused scan takes with its cached map itself
-PAIR_PAD, PAIR_FUSED = 1, 2
-
-
-def fused_chain_ok(outputs: torch.Tensor) -> bool:
-    """Whether the Triton scan walks a chain flagged STEP_BY_POSITION by position for these corrected outputs (bf16 on
-    CUDA; any dtype in the interpreter), and so may take it fused: the compose pass then leaves that chain's pair maps
-    unmade (layers/linear.py FUSED_PAIRS)."""
-    try:
-        from ..ops import triton_scan
-    except Exception:  # no triton on this machine
-        return False
-    return triton_scan.BY_POSITION and triton_scan.position_on(outputs)
 
 
 def scan_chain(init: torch.Tensor, maps: list, *, exact: list[bool] | None = None):
@@ -82,18 +68,15 @@ def scan_dense(init, T, S, cu, order=None, runs=None, runs_only: bool = False):
     return _kernel()(init, T, S, cu, order=order, runs=runs, runs_only=runs_only)
 
 
-def scan_steps(init, steps, cu, runs, slots: int, outputs=None, max_run: int = 16, factors=None, fused=None):
+def scan_steps(init, steps, cu, runs, slots: int, outputs=None, max_run: int = 16, factors=None):
     """The compose pass's form on CUDA (ops/triton_scan.scan_steps): each chain step's T and S named by
     address in a step table, runs' [S | T] in place (or their S, with their transitions as `factors`:
     reference `run_factors`); `before` written at the runs' slots only, or, given the run summaries'
     outputs, those corrected in place to the runs' true initial states. Needs the Triton kernel
-    (`kernel_ready`). fused: (pairs, factors, U) of the low-rank pairs, for the chains flagged by position
-    (ops/triton_scan.scan_steps)."""
+    (`kernel_ready`)."""
     from ..ops.fast import triton_kernel
 
-    more = dict(fused=fused) if fused is not None else {}
-    return triton_kernel("steps")(init, steps, cu, runs, slots, outputs=outputs, max_run=max_run, factors=factors,
-                                  **more)
+    return triton_kernel("steps")(init, steps, cu, runs, slots, outputs=outputs, max_run=max_run, factors=factors)
 
 
 def kernel_ready(device) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..cache.entry import LinearSummary
-from ..compose.scan import PAIR_FUSED, PAIR_PAD, STEP_BY_POSITION, STEP_FROM_ZERO, fused_chain_ok
+from ..compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
 from ..compose.transition import Form, Transition, compose, zero_start
 from ..ops.reference.gated_delta import factor_width, factors_to_dense, values_to_state
 from ..runtime.batch import Apply, ForwardBatch, Run
@@ -236,7 +236,7 @@ class LinearMixer(nn.Module):
                 rows[:nk, 2:] = rest_k
                 if by_pos:
                     rows[0, 2] |= STEP_BY_POSITION
-                pairs = buf["pairs_host"].numpy()      # run i: (T_e, S_e addresses or 0, i, skip bits, ...)
+                pairs = buf["pairs_host"].numpy()      # run i: (T_e, S_e addresses or 0, i, is a pad run, ...)
                 pairs[:, :2] = addr[after] * has
                 pairs[:, 2:4] = cols
             if CHAIN_FROM_ZERO and st is None and rows.shape[0]:
@@ -292,13 +292,9 @@ class LinearMixer(nn.Module):
                 offs = off_t[kept[1:n0]]
                 by_pos = n0 > 1 and bool(is_run[kept[1:n0]].all()) and bool(
                     (offs == offs[0] + np.arange(n0 - 1) * (h * k * (v + k) * 4)).all())
-                # (each run's skip bits: a pad run; a run of that chain, which a fused scan takes itself)
-                skip = (runs >= real).astype(np.int64) * PAIR_PAD
-                if by_pos:
-                    skip[ri[kept[1:n0]]] |= PAIR_FUSED
                 pair_cols = (is_run[kept, None], np.stack([off_t[kept], off_s[kept]], 1), ent[kept], rest[kept],
                              np.maximum(after, 0), (after >= 0)[:, None].astype(np.int64),
-                             np.stack([runs, skip], 1), by_pos)
+                             np.stack([runs, runs >= real], 1), by_pos)
             hit = low.memo[key] = (is_run, off_t, off_s, ent, rest, pair_cols)
         return hit
 
@@ -338,7 +334,6 @@ class LinearMixer(nn.Module):
         # every run from zero: outputs, readout, and the runs' maps, [S | T] or S with T's factors (RUN_FACTORS),
         # or U with T's factors (LOWRANK_PAIRS)
         factored, paired = "factor_width" in buf, "pair_maps" in buf
-        fuse = False
         # (a tail's runs too: their outputs from zero, readout, and with the pairs their factors and values, which
         # `_tail` walks)
         o0, u, *maps = self.kernel(f, conv_out, slice(0, sh.tokens), None, c.cu, True, readout=True, short=True,
@@ -360,27 +355,18 @@ class LinearMixer(nn.Module):
             # that map's step out: cu_pairs), into the layers' shared buffer; fused, the pad runs' maps need not be
             # made (no chain reads them: below; SKIP_PAD_PAIRS)
             kern = triton_kernel("pairs")
-            pairs = buf["pairs"][: sh.runs - sh.tail]                  # (not the tail's runs: no chain reads them)
-            # FUSED_PAIRS: the request's chain, where its fill flagged it by position, takes each run with its cached
-            # map itself; the pair kernel makes the other runs' maps only (the scan's condition for the walk by
-            # position, mirrored here: it must take every run the pair kernel leaves)
-            fuse = (FUSED_PAIRS and fused and kern is not None and "steps" in buf and triton_kernel("steps") is not None
-                    and fused_chain_ok(o0))
-            if fuse:
-                fused_maps = (pairs, factors, runs)
             try:
                 if kern is None:      # failed to build before: the unpaired chain by the dense maps below (eager)
                     runs = None
                 else:
-                    skip = (PAIR_PAD if SKIP_PAD_PAIRS and fused else 0) | (PAIR_FUSED if fuse else 0)
-                    runs = kern(pairs, factors, runs, buf["pair_maps"], skip_marked=skip)
+                    pairs = buf["pairs"][: sh.runs - sh.tail]          # (not the tail's runs: no chain reads them)
+                    runs = kern(pairs, factors, runs, buf["pair_maps"], skip_marked=SKIP_PAD_PAIRS and fused)
             except Exception as err:
                 kernel_failed("pairs", err)
                 runs = None
             if runs is not None:
                 factors, cu_maps = None, c.cu_pairs
         if runs is not None and "steps" in buf and triton_kernel("steps") is not None:
-            more = dict(fused=fused_maps) if fuse else {}
             full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1)) \
                 if fused else None
             # fused, the pad runs need no chain (their outputs only need to be finite, and are from zero): the
@@ -388,7 +374,7 @@ class LinearMixer(nn.Module):
             chains = 1 if fused else 2
             try:
                 before, final = scan_steps(buf["init"][:chains], buf["steps"], cu_maps[: chains + 1], runs,
-                                           e + sh.runs, outputs=full, max_run=sh.lmax, factors=factors, **more)
+                                           e + sh.runs, outputs=full, max_run=sh.lmax, factors=factors)
             except Exception as err:  # the maps stacked from now on (eager)
                 kernel_failed("steps", err)
             else:
@@ -882,11 +868,6 @@ LOWRANK_PAIRS = True
 # the warm request's 26 runs). Written and checked in Triton's interpreter after run 99; H100 run 102, paired (gpu_bench's
 # variant `pairs_skip_pads`): +0.17 ms (predicted -0.05 to -0.3): off.
 SKIP_PAD_PAIRS = False
-# With the pairs, the request's chain (flagged by position) takes each seam run and the cached map after it from their
-# own tensors, x <- T_e (g x + Kd^T (U - W x)) + S_e, so the pair kernel makes no map for it (ops/triton_scan.py
-# `_fused_by_position`; the other runs' maps still made): the pair kernel's ~128 KB per run and head written and read
-# back, not made. 37th session; not yet timed on a GPU: off (gpu_bench's variant `pairs_fused`).
-FUSED_PAIRS = False
 # A request without a cached prefix: its chain's first step marked as from zero (compose/scan.py STEP_FROM_ZERO), so the
 # scan takes its S without the product T 0 (one step of the warm 35B request's ~20 a layer; the same result to the
 # bit). H100 run 112, paired against it off (gpu_bench's variant `chain_from_init`): -0.11 ms on the warm request, the

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compose.scan import PAIR_FUSED, PAIR_PAD, STEP_BY_POSITION, STEP_FROM_ZERO
+from ..compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
 from .triton_address import from_address
 from .tuning import tuned_config
 
@@ -294,9 +294,13 @@ def _rna(v):
 
 
 @triton.jit
-def _correct_bf16(x, row, ou, s_ot, s_oh, h, rk, rv, tt, V: tl.constexpr, EMULATE: tl.constexpr):
-    """A run's correction o_t += x^T u_t (its first token and count in its step row), as three bf16 products: u_t is
-    bf16 (the summary writes it so), x in three bf16 parts (within 2^-24 of x), each product exact, summed in fp32."""
+def _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off_m, off_c, H: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, EMULATE: tl.constexpr):
+    """Step j of `_by_position`: its map at slot p0 + j - j0; the run's outputs corrected from x; M x + c."""
+    mp = maps + (p0 + j - j0).to(tl.int64) * (H * K * (V + K)) + h * (K * (V + K))
+    m = tl.load(mp + off_m)                                                   # [K, K]
+    c = tl.load(mp + off_c)                                                   # [K, BV]
+    row = steps + j.to(tl.int64) * W
     t0 = tl.load(row + 4)
     nt = tl.load(row + 5)
     mt = (tt < nt)[:, None]
@@ -304,7 +308,7 @@ def _correct_bf16(x, row, ou, s_ot, s_oh, h, rk, rv, tt, V: tl.constexpr, EMULAT
     u = tl.load(ou + rows[:, None] + V + rk[None, :], mask=mt, other=0.0)
     optr = ou + rows[:, None] + rv[None, :]
     o0 = tl.load(optr, mask=mt, other=0.0).to(tl.float32)
-    x1 = x.to(tl.bfloat16)
+    x1 = x.to(tl.bfloat16)                          # the correction's operand: x in three bf16 parts
     r1 = x - x1.to(tl.float32)
     x2 = r1.to(tl.bfloat16)
     x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
@@ -318,29 +322,14 @@ def _correct_bf16(x, row, ou, s_ot, s_oh, h, rk, rv, tt, V: tl.constexpr, EMULAT
         corr = tl.dot(u, x2, corr)
         corr = tl.dot(u, x3, corr)
     tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mt)
-
-
-@triton.jit
-def _map_product(m, x, EMULATE: tl.constexpr):
-    """m x at fp32 level from three tf32 products with m as loaded (`_by_position`'s docstring): x = x_hi + x_lo
-    rounded to nearest, m's rest m - trunc(m) the one part made in registers, the small products summed first."""
     x_hi = _rna(x)
     x_lo = _rna(x - x_hi)
     m_lo = _rna(m - _trunc(m))
     acc = tl.dot(m_lo, x_hi, input_precision="tf32")           # (the small products first, the large one last)
     acc = tl.dot(_tf32(m, EMULATE), x_lo, acc, input_precision="tf32")
-    return tl.dot(_tf32(m, EMULATE), x_hi, acc, input_precision="tf32")
-
-
-@triton.jit
-def _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off_m, off_c, H: tl.constexpr,
-                   K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, EMULATE: tl.constexpr):
-    """Step j of `_by_position`: its map at slot p0 + j - j0; the run's outputs corrected from x; M x + c."""
-    mp = maps + (p0 + j - j0).to(tl.int64) * (H * K * (V + K)) + h * (K * (V + K))
-    m = tl.load(mp + off_m)                                                   # [K, K]
-    c = tl.load(mp + off_c)                                                   # [K, BV]
-    _correct_bf16(x, steps + j.to(tl.int64) * W, ou, s_ot, s_oh, h, rk, rv, tt, V, EMULATE)
-    return _map_product(m, x, EMULATE) + c
+    acc = tl.dot(_tf32(m, EMULATE), x_hi, acc, input_precision="tf32")
+    x = acc + c
+    return x
 
 
 @triton.jit
@@ -382,70 +371,6 @@ def _by_position(x, j0, j1, steps, maps, ou, s_ot, s_oh, h, rk, rv, H: tl.conste
 
 
 @triton.jit
-def _fused_step(x, j, j0, i0, tv, sv, steps, maps, F, U, ou, s_ot, s_oh, h, rk, rv, tt, ww, off_kk, off_kv,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WF: tl.constexpr,
-                PW: tl.constexpr, EMULATE: tl.constexpr):
-    """Step j of `_fused_by_position`: run i = i0 + j - j0 from its factors, then the cached map after it (T_e, S_e at
-    addresses tv, sv: pair row i's; tv = 0: none), the run's outputs corrected from x on the way."""
-    THIN: tl.constexpr = "ieee" if EMULATE else "tf32x3"
-    i = i0 + j - j0
-    cached = tv != 0
-    te = tl.load(from_address(maps, tv, cached) + h * (K * K) + off_kk, mask=cached, other=0.0)       # [K, K]
-    se = tl.load(from_address(maps, sv, cached) + h * (K * V) + off_kv, mask=cached, other=0.0)       # [K, BV]
-    fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
-    kd = tl.load(fb + ww[:, None] * K + rk[None, :])                                  # [WF, K]
-    wf = tl.load(fb + (WF + ww)[:, None] * K + rk[None, :])                           # [WF, K]
-    g = tl.load(fb + 2 * WF * K)
-    ub = tl.load(U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V + rv[None, :])   # [WF, BV]
-    _correct_bf16(x, steps + j.to(tl.int64) * W, ou, s_ot, s_oh, h, rk, rv, tt, V, EMULATE)
-    # the run: z = g x + Kd^T (U - W x) (its T_r x + S_r, from its factors); two thin products at fp32 level
-    y = ub - tl.dot(wf, x, input_precision=THIN)                                     # [WF, BV]
-    z = g * x + tl.dot(tl.trans(kd), y, input_precision=THIN)                       # [K, BV]
-    # the cached map after it: T_e z + S_e in three tf32 products (as `_position_step`), or z where none follows
-    return tl.where(cached, _map_product(te, z, EMULATE) + se, z)
-
-
-@triton.jit
-def _fused_by_position(x, j0, j1, steps, maps, pairs, F, U, ou, s_ot, s_oh, h, rk, rv, off_kv, H: tl.constexpr,
-                       K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, WF: tl.constexpr,
-                       PW: tl.constexpr, STAGES: tl.constexpr, EMULATE: tl.constexpr):
-    """Steps j0..j1-1 of a chain flagged STEP_BY_POSITION, each a seam run and the cached map after it taken from their
-    own tensors, with no pair kernel before the scan (FUSED_PAIRS): step j is run i = i0 + j - j0 (its factors Kd, W,
-    g and values U at consecutive run indices: addresses the loop computes) and the cached map (T_e, S_e) its pair row i
-    names (0: none). x <- T_e (g x + Kd^T (U - W x)) + S_e, the pair's [c | M] = [S_e + P U | g T_e - P W] (P = T_e
-    Kd^T, `pair_lowrank`) applied without being formed: the pair kernel's 128 KB per run and head written and read
-    back, not made. The thin products (W x, Kd^T y) in "tf32x3"; T_e z as `_position_step`'s M x."""
-    tt = tl.arange(0, BT)
-    ww = tl.arange(0, WF)
-    i0 = tl.load(steps + j0.to(tl.int64) * W, mask=j0 < j1, other=0) // (H * K * (V + K) * 4)
-    off_kk = rk[:, None] * K + rk[None, :]
-    # each step's pair row read during the step before it (a loop-carried address: Triton's pipeliner then fetches the
-    # cached map ahead into shared memory; read in the step, the address a load of the same step, it kept one buffer)
-    last = i0 + tl.maximum(j1 - j0, 1) - 1
-    tv = tl.load(pairs + i0.to(tl.int64) * PW)
-    sv = tl.load(pairs + i0.to(tl.int64) * PW + 1)
-    if EMULATE:             # (Triton's interpreter cannot range over loaded bounds)
-        j = j0
-        while j < j1:
-            nxt = pairs + tl.minimum(i0 + j - j0 + 1, last).to(tl.int64) * PW
-            tv_n = tl.load(nxt)
-            sv_n = tl.load(nxt + 1)
-            x = _fused_step(x, j, j0, i0, tv, sv, steps, maps, F, U, ou, s_ot, s_oh, h, rk, rv, tt, ww, off_kk,
-                            off_kv, H, K, V, W, WF, PW, EMULATE)
-            tv, sv = tv_n, sv_n
-            j += 1
-    else:
-        for j in tl.range(j0, j1, num_stages=STAGES + 1):
-            nxt = pairs + tl.minimum(i0 + j - j0 + 1, last).to(tl.int64) * PW
-            tv_n = tl.load(nxt)
-            sv_n = tl.load(nxt + 1)
-            x = _fused_step(x, j, j0, i0, tv, sv, steps, maps, F, U, ou, s_ot, s_oh, h, rk, rv, tt, ww, off_kk,
-                            off_kv, H, K, V, W, WF, PW, EMULATE)
-            tv, sv = tv_n, sv_n
-    return x
-
-
-@triton.jit
 def _table_chain(x, j0, j1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr,
                  STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr, FACTORS: tl.constexpr,
@@ -482,13 +407,11 @@ def _table_chain(x, j0, j1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk
 
 
 @triton.jit
-def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, maps, pairs, pF, pU,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       PREC: tl.constexpr, STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr,
-                       BT: tl.constexpr, FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr,
-                       SPLIT: tl.constexpr = False, PREFETCH: tl.constexpr = False, POSITION: tl.constexpr = False,
-                       EMULATE: tl.constexpr = False, FUSED: tl.constexpr = False, WF: tl.constexpr = 16,
-                       PW: tl.constexpr = 4):
+def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot, s_oh, maps, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                       STAGES: tl.constexpr, W: tl.constexpr, CORRECT: tl.constexpr, BT: tl.constexpr,
+                       FACTORS: tl.constexpr, BF: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr = False,
+                       PREFETCH: tl.constexpr = False, POSITION: tl.constexpr = False, EMULATE: tl.constexpr = False):
     r, h, rk, rv, m_kv, off_kv = _state_block(K, V, BK, BV)
     x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     j0 = tl.load(cu + r)
@@ -509,11 +432,7 @@ def _scan_steps_kernel(init, steps, a_addr, f_addr, before, final, cu, ou, s_ot,
             x = _table_chain(x, j0, j0 + 1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv,
                              m_kv, H, K, V, PREC, 1, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT, False)
             j0 += 1
-        if FUSED:
-            x = _fused_by_position(x, j0, j1, steps, maps, pairs, pF, pU, ou, s_ot, s_oh, h, rk, rv, off_kv, H, K, V,
-                                   W, BT, WF, PW, STAGES, EMULATE)
-        else:
-            x = _by_position(x, j0, j1, steps, maps, ou, s_ot, s_oh, h, rk, rv, H, K, V, W, BT, EMULATE)
+        x = _by_position(x, j0, j1, steps, maps, ou, s_ot, s_oh, h, rk, rv, H, K, V, W, BT, EMULATE)
     else:
         x = _table_chain(x, j0, j1, steps, a_addr, f_addr, before, ou, s_ot, s_oh, h, rk, rv, off_kv, m_kv, H, K,
                          V, PREC, STAGES, W, CORRECT, BT, FACTORS, BF, EVEN, SPLIT, PREFETCH)
@@ -558,10 +477,10 @@ def _default(r: int, h: int, v: int, device) -> tuple[int, int, int]:
     return (32 if r * h * triton.cdiv(v, 64) < _sm_count(device) // 2 else 64), 8, 1
 
 
-def _tuned(key, device, launch, fallback, out, configs=_CONFIGS) -> tuple[int, int, int]:
+def _tuned(key, device, launch, fallback, out) -> tuple[int, int, int]:
     """The fastest configuration for this shape (ops/tuning.py); fp32 outputs: one that differs from the first
     configuration's by more than 1e-5 relative is never chosen."""
-    return tuned_config(TUNED, key, configs, device, launch, out, fallback, 1e-5)
+    return tuned_config(TUNED, key, _CONFIGS, device, launch, out, fallback, 1e-5)
 
 
 def scan_dense(init: torch.Tensor, T: torch.Tensor, S: torch.Tensor, cu, *, order=None, runs=None,
@@ -617,32 +536,11 @@ def position_fits(k: int, bv: int) -> bool:
     return 8 * k * (k + bv) + 6 * k * bv + 16384 <= 232448
 
 
-def position_on(outputs: torch.Tensor) -> bool:
-    """The walk by position may be taken for these corrected outputs: bf16 on CUDA, the correction's products taking
-    u_t in bf16 as the compose pass's summaries write it; fp32 outputs go the table's way. Triton's interpreter makes
-    the same products in fp32, any dtype."""
-    return outputs.dtype == torch.bfloat16 or not outputs.is_cuda
-
-
-def fused_fits(k: int, bv: int, stages: int) -> bool:
-    """`_fused_by_position` keeps `stages` cached maps, S blocks, factor pairs and value blocks in shared memory beside
-    x's parts and the thin products' operands: whether that fits the H200's 227 KB (sm_90a builds at K = 128:
-    benchmarks/kernel_resources.py)."""
-    return FUSED_SMEM.get((k, bv, stages), 1 << 30) <= 232448
-
-
-# shared memory of `_fused_by_position`'s sm_90a builds at the 35B shape (benchmarks/kernel_resources.py, Triton 3.6,
-# pair rows of 6 columns), by (K, BV, stages): stages 2 keeps two cached maps in flight (a loop-carried address), 1
-# one; (128, 32, 2) is 11 KB over. Builds not listed are not taken on CUDA.
-FUSED_SMEM = {(128, 16, 2): 206856, (128, 32, 1): 163840, (128, 16, 1): 147456, (128, 32, 2): 243720}
-FUSED_CONFIGS = ((16, 8, 2), (32, 8, 1), (16, 8, 1))     # (bv, warps, stages) the tuner times for fused chains
-
-
 def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: torch.Tensor, slots: int, *,
                outputs: torch.Tensor | None = None, max_run: int = 16, factors: torch.Tensor | None = None,
                split: bool = False, bv: int | None = None, warps: int | None = None, stages: int | None = None,
                tune: bool = True, precision: str = "tf32x3", prefetch: bool | None = None,
-               position: bool | None = None, fused: tuple | None = None):
+               position: bool | None = None):
     """The compose pass's form: chains described step by step, no map copied.
 
     init [R, H, K, V] fp32; steps [M, 4] (or [M, 6]) int64 (device), row j = chain step j in sequence order:
@@ -667,17 +565,13 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
     position (dense maps with bf16 `outputs`, not prefetch or split; None: the module's BY_POSITION): a chain whose
     first row carries STEP_BY_POSITION (compose/scan.py) takes the steps after its first by position in `runs` (the
     low-rank pairs' buffer, `_by_position`); other chains as their rows name them.
-    fused (with `position`): (pairs [R', >= 4] int64, factors [N, H, 2 WF + 1, K], U [N, H, WF, V], fp32 contiguous):
-    a flagged chain's steps after its first are each a run from its factors and the cached map its pair row names,
-    applied without a pair kernel's map (`_fused_by_position`; `pair_lowrank` takes the same tables); `runs` is
-    then read only by chains not so flagged (the pair kernel writes their maps).
     Returns (before [slots, H, K, V]: written at the runs' slots only, unless `outputs`; final [R, H, K, V])."""
     r, h, k, v = init.shape
     prefetch = (PREFETCH and factors is None) if prefetch is None else prefetch      # (the module's: dense maps only)
     # (by position on CUDA: the correction's products take u_t in bf16, as the compose pass's summaries write it; fp32
     # outputs go the table's way. Triton's interpreter makes the same products in fp32.)
     position = (BY_POSITION if position is None else position) and factors is None and outputs is not None \
-        and not prefetch and not split and position_on(outputs)
+        and not prefetch and not split and (outputs.dtype == torch.bfloat16 or not init.is_cuda)
     if prefetch and factors is not None:
         raise ValueError("prefetch is for dense maps (no factors)")
     init = init.float().contiguous()
@@ -706,50 +600,23 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
 
     bt = max(16, triton.next_power_of_2(max_run))
 
-    if fused is not None:
-        pairs, pF, pU = fused
-        wf = (pF.shape[-2] - 1) // 2
-        if not (position and pairs.dim() == 2 and pairs.shape[1] >= 4 and pairs.stride(1) == 1
-                and pairs.dtype == torch.int64 and pF.is_contiguous() and pU.is_contiguous()
-                and pF.dtype == pU.dtype == torch.float32 and pF.shape[1:] == (h, 2 * wf + 1, k)
-                and pU.shape[1:] == (h, wf, v) and wf >= 16):
-            raise ValueError("fused needs position, pairs int64 [R, >= 4] with contiguous rows, factors [N, H, 2 WF + 1,"
-                             " K] and U [N, H, WF, V] fp32 contiguous, WF >= 16")
-    else:
-        pairs, pF, pU, wf = steps, init, init, 16
-
     def launch(cfg, _o=ou):
         b, w, st = cfg
-        st = st if init.is_cuda else 1          # (Triton's interpreter cannot range over loaded bounds)
         even = bk == k and v % b == 0
-        if fused is not None:     # (the pair kernel made no map for the flagged chain: it must be walked fused)
-            if (init.is_cuda and not fused_fits(k, b, st)) or not even:
-                raise ValueError(f"a fused chain at K = {k}, V = {v}, BV = {b}, stages {st} does not fit shared "
-                                 "memory or its blocks do not tile K and V")
-            fits = True
-        else:
-            fits = position_fits(k, b)
+        fits = position_fits(k, b)
         COMPILED["steps"] = _scan_steps_kernel[(r, h, triton.cdiv(v, b))](
-            init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, runs, pairs, pF, pU, H=h, K=k, V=v, BK=bk,
-            BV=b, PREC=precision, STAGES=1 if prefetch else st, W=steps.shape[1], CORRECT=correct, BT=bt,
+            init, steps, a_addr, f_addr, before, final, cu, _o, s_ot, s_oh, runs, H=h, K=k, V=v, BK=bk, BV=b,
+            PREC=precision, STAGES=1 if prefetch else st, W=steps.shape[1], CORRECT=correct, BT=bt,
             FACTORS=factors is not None, BF=bf, EVEN=even, SPLIT=split, PREFETCH=prefetch,
-            POSITION=position and even and fits, EMULATE=not init.is_cuda, FUSED=fused is not None and even and fits,
-            WF=wf, PW=pairs.stride(0), num_warps=w)
+            POSITION=position and even and fits, EMULATE=not init.is_cuda, num_warps=w)
 
     cfg = _default(r, h, v, init.device)
-    form = ("steps+prefetch" if prefetch else "steps" + ("+position" if position else "")
-            + ("+fused" if fused is not None else "")) if factors is None else (
+    form = ("steps+prefetch" if prefetch else "steps" + ("+position" if position else "")) if factors is None else (
         "steps+factors" + ("+split" if split else ""))
-    configs = _CONFIGS
-    if fused is not None:       # (only configurations that fit; the interpreter: the first)
-        configs = tuple(c for c in FUSED_CONFIGS if fused_fits(k, *c[::2]) or not init.is_cuda)
-        if not configs:
-            raise ValueError(f"no fused chain configuration fits shared memory at K = {k}")
-        cfg = configs[0]
     if bv is not None or warps is not None or stages is not None:
         cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
     elif tune and not correct:
-        cfg = _tuned((form, r, h, k, v, precision), init.device, launch, cfg, final, configs)
+        cfg = _tuned((form, r, h, k, v, precision), init.device, launch, cfg, final)
     elif tune:
         # the corrected outputs are written in place: tuning runs the kernel several times, so it times a
         # copy of them, then the chosen configuration runs once on the real ones
@@ -759,7 +626,7 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
             scratch.copy_(outputs)
             launch(cfg, scratch)
 
-        cfg = _tuned((form + "+correct", r, h, k, v, precision), init.device, trial, cfg, final, configs)
+        cfg = _tuned((form + "+correct", r, h, k, v, precision), init.device, trial, cfg, final)
     launch(cfg)
     return before, final
 
@@ -768,20 +635,17 @@ def scan_steps(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, runs: 
 def _pair_row(pairs, F, p, h, r, H: tl.constexpr, K: tl.constexpr, WF: tl.constexpr, PW: tl.constexpr,
               SKIP: tl.constexpr):
     """Pair row p: its cached map's T and S addresses (0: none), its run's index i (factors, U and output slot),
-    whether a cached map follows (False for a skipped row: nothing of it is read), the store mask of rows r (rows past
-    K; no row where the row's fourth column has a bit of the SKIP mask), and the run's factors for head h."""
+    whether a cached map follows, the store mask of rows r (rows past K; every row where SKIP and the row is marked),
+    and the run's factors for head h."""
     row = pairs + p.to(tl.int64) * PW
     tv = tl.load(row)
     sv = tl.load(row + 1)
     i = tl.load(row + 2)
     mr = (r < K)[:, None]
-    cached = tv != 0
-    if SKIP != 0:
-        keep = (tl.load(row + 3) & SKIP) == 0
-        mr = mr & keep
-        cached = cached & keep
+    if SKIP:
+        mr = mr & (tl.load(row + 3) == 0)
     fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
-    return tv, sv, i, cached, mr, fb
+    return tv, sv, i, tv != 0, mr, fb
 
 
 @triton.jit
@@ -933,7 +797,7 @@ def pair_form(form) -> tuple[bool, int, bool]:
 
 def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, out: torch.Tensor, *,
                  block_rows: int | None = None, warps: int | None = None, halves: bool | int | None = None,
-                 tune: bool = True, skip_marked: bool | int = False, precision: str | None = None) -> torch.Tensor:
+                 tune: bool = True, skip_marked: bool = False, precision: str | None = None) -> torch.Tensor:
     """Seam runs composed with the cached segment after them from the runs' low-rank factors (the compose pass's
     LOWRANK_PAIRS, layers/linear.py; benchmarks/scan_bench.py `lowrank` times it alone).
 
@@ -944,10 +808,8 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
         [c | M] = [S_e + P U | g T_e - P W]
 
     three thin products per row block instead of a dense [K, K] x [K, V + K] one (reference `pair_maps`). pairs
-    [P, >= 4] int64 (device, rows contiguous): (T_e address, S_e address, run index i, skip bits) per pair
-    (skip_marked: a row whose skip bits meet it, True for 1 (PAIR_PAD: a pad run) or a mask of PAIR_PAD and PAIR_FUSED
-    (a run the scan takes with its cached map itself, `scan_steps(fused=...)`), reads and writes nothing), T_e
-    [H, K, K] and S_e [H, K, V] fp32 contiguous; address 0: the run
+    [P, >= 4] int64 (device, rows contiguous): (T_e address, S_e address, run index i, skip) per pair (skip_marked:
+    a row whose skip is not zero writes nothing), T_e [H, K, K] and S_e [H, K, V] fp32 contiguous; address 0: the run
     alone (T_e = I, S_e = 0: its own dense [S_r | T_r]). Writes out[i] [H, K, V + K] (fp32, contiguous), where the
     chain scan reads a run's [S | T]. precision: tl.dot's (default: "tf32x3" on CUDA, fp32-level products on tensor
     cores: compiled for sm_90a offline, 255 registers and no spills at 32 rows and 4 warps, where "ieee" spills 368
@@ -973,7 +835,7 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
             raise ValueError(f"column chunks of {bc} must tile K = {k} and V = {v}")
         _pair_lowrank_kernel[(pairs.shape[0] * (2 if halves_ else 1), h, triton.cdiv(k, br))](
             pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=br, PW=pairs.stride(0), PREC=prec, HALVES=halves_,
-            BC=bc, SKIP=int(skip_marked), FIRST=first, ALIGNED=PAIR_ALIGNED, num_warps=w)
+            BC=bc, SKIP=skip_marked, FIRST=first, ALIGNED=PAIR_ALIGNED, num_warps=w)
 
     if not pairs.shape[0]:
         return out
