@@ -118,6 +118,12 @@ def other_builds():
             ts._pair_lowrank_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32"),
             dict(H=32, K=128, V=128, WF=16, BR=br, PREC=prec, PW=6, HALVES=halves, BC=bc, FIRST=first,
                  ALIGNED=ts.PAIR_ALIGNED), w)))
+    for br, w, form in ts.PAIR_CONFIGS:              # the persistent forms (37th session): a pipelined loop of items
+        if ts.pair_stages(form):
+            rows.append(("pair_lowrank", f"rows {br}, warps {w}, tf32x3, {form}", kernel_build(
+                ts._pair_persistent_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32", P="i32"),
+                dict(H=32, K=128, V=128, WF=16, BR=br, PREC="tf32x3", PW=6, SKIP=False, ALIGNED=ts.PAIR_ALIGNED,
+                     STAGES=ts.pair_stages(form)), w, stages=ts.pair_stages(form))))
     tail = dict(o="*bf16", u="*bf16", s0="*fp32", U="*fp32", F="*fp32", cu="*i64", final="*fp32", N="i32",
                 s_on="i32", s_oh="i32", s_un="i32", s_uh="i32")
     for bv, w in ((32, 4), (16, 4), (32, 8)):          # the query's tail (32nd session): 4 runs of 16, K = V = 128

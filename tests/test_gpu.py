@@ -1561,8 +1561,9 @@ def test_triton_pair_lowrank_in_interpreter():
     from [0 | I] (their dense [S | T]), their factors by reference `run_factors` and U by the same triangular system;
     [S_e + P U | g T_e - P W] equal to T_e [S_r | T_r] + [S_e | 0] in fp64 to fp32 rounding (1e-5), and a run with no
     cached map after it to its own [S_r | T_r]; in one program per row block, in two (halves), with the columns in
-    chunks and with every load first, from a table of 4-wide and of 6-wide rows (the compose pass's); a row marked
-    skipped writes nothing."""
+    chunks, with every load first, and those items walked by a fixed grid of programs (persist3: one item a program,
+    and a grid of two, each walking every other item), from a table of 4-wide and of 6-wide rows (the compose
+    pass's); a row marked skipped writes nothing."""
     code = """
 import math, torch
 from hypic.ops.triton_scan import pair_lowrank
@@ -1595,7 +1596,7 @@ d = dense.double()
 want = [torch.cat([Te[0].double() @ d[0, ..., :V] + Se[0].double(), Te[0].double() @ d[0, ..., V:]], -1),
         d[1], torch.cat([Te[1].double() @ d[2, ..., :V] + Se[1].double(), Te[1].double() @ d[2, ..., V:]], -1)]
 for table, rows, halves in ((pairs, 16, False), (pairs, 32, True), (wide, 16, True), (wide, 32, 16), (pairs, 16, 16),
-                            (pairs, 16, "first"), (wide, 32, "first")):
+                            (pairs, 16, "first"), (wide, 32, "first"), (pairs, 16, "persist3"), (wide, 32, "persist3")):
     out = torch.full((len(lens), H, K, V + K), float("nan"))
     pair_lowrank(table, F, U, out, block_rows=rows, warps=4, halves=halves)
     for i in range(3):
@@ -1606,6 +1607,14 @@ for table, rows, halves in ((pairs, 16, False), (pairs, 32, True), (wide, 16, Tr
     out = torch.full((len(lens), H, K, V + K), float("nan"))
     pair_lowrank(marked, F, U, out, block_rows=rows, warps=4, halves=halves, skip_marked=True)
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any(), (rows, halves)
+from hypic.ops import triton_scan
+triton_scan._SMS[torch.device("cpu")] = 1              # a grid of 2 programs: each walks every other item
+for table, rows in ((pairs, 16), (wide, 32)):
+    out = torch.full((len(lens), H, K, V + K), float("nan"))
+    pair_lowrank(table, F, U, out, block_rows=rows, warps=4, halves="persist3")
+    for i in range(3):
+        err = float((out[i].double() - want[i]).abs().max() / want[i].abs().max())
+        assert err < 1e-5, (i, err, rows)
 print("ok")
 """
     _run_in_interpreter(code)

@@ -750,9 +750,14 @@ def _pair_first(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.conste
     """_pair_lowrank_kernel's whole-row program with every load (T_e and S_e rows, Kd, W, g, U) issued before the first
     product, so a program waits on memory once, not three times (load, product, load, ...: the whole form loads W
     after P's product and S_e, U after M's). Each program's live loads: [BR, K] + [BR, V] + 3 [WF, K or V] floats."""
-    p = tl.program_id(0)
-    h = tl.program_id(1)
-    r = tl.program_id(2) * BR + tl.arange(0, BR)
+    _pair_item(pairs, F, U, out, tl.program_id(0), tl.program_id(1), tl.program_id(2) * BR + tl.arange(0, BR), H, K,
+               V, WF, PREC, PW, SKIP, ALIGNED)
+
+
+@triton.jit
+def _pair_item(pairs, F, U, out, p, h, r, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
+               PREC: tl.constexpr, PW: tl.constexpr, SKIP: tl.constexpr, ALIGNED: tl.constexpr):
+    """Rows r of pair row p's map for head h, every load before the first product (`_pair_first`'s body)."""
     tv, sv, i, cached, mr, fb = _pair_row(pairs, F, p, h, r, H, K, WF, PW, SKIP)
     kk = tl.arange(0, K)
     vv = tl.arange(0, V)
@@ -772,14 +777,40 @@ def _pair_first(pairs, F, U, out, H: tl.constexpr, K: tl.constexpr, V: tl.conste
     tl.store(ob + vv[None, :], se + tl.dot(pk, u, input_precision=PREC), mask=mr)
 
 
+@triton.jit
+def _pair_persistent_kernel(pairs, F, U, out, P, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WF: tl.constexpr,
+                            BR: tl.constexpr, PREC: tl.constexpr, PW: tl.constexpr, SKIP: tl.constexpr,
+                            ALIGNED: tl.constexpr, STAGES: tl.constexpr):
+    """`_pair_first`'s items (pair row, head, block of BR rows) walked by a fixed grid of programs, each taking every
+    num_programs-th item in a loop Triton pipelines (STAGES > 1): an item's loads are issued while the item before it
+    is multiplied, where one program per item waits on its own loads, then on its products, with few programs resident
+    per SM (255 registers). H100 run 120: the one-program-per-item kernel still took 45 us a layer with its rows
+    reading and writing nothing, about half its time: its cost is latency more than bytes."""
+    nb: tl.constexpr = (K + BR - 1) // BR
+    n = P * H * nb
+    if STAGES > 1:
+        for it in tl.range(tl.program_id(0), n, tl.num_programs(0), num_stages=STAGES):
+            _pair_item(pairs, F, U, out, it // (H * nb), it // nb % H, it % nb * BR + tl.arange(0, BR), H, K, V, WF,
+                       PREC, PW, SKIP, ALIGNED)
+    else:                   # (Triton's interpreter cannot range over a runtime bound with stages)
+        it = tl.program_id(0)
+        while it < n:
+            _pair_item(pairs, F, U, out, it // (H * nb), it // nb % H, it % nb * BR + tl.arange(0, BR), H, K, V, WF,
+                       PREC, PW, SKIP, ALIGNED)
+            it += tl.num_programs(0)
+
+
 # (block rows, warps, form: False (whole rows) / True (halves) / a column chunk width / "first" (whole rows, every
 # load before the first product, `_pair_first`: thirty-fourth session)) tried on a shape's first eager call; the first
 # is the default. H100 run 99 (scan_bench, us per layer at the warm request's shape): chunks of 32 at (128, 8) 135.5,
 # at (64, 4) 160.1; whole at (32, 4) 167.2 (run 98: whole at (16, 4), (64, 8), (32, 8) 196-232); halves 174-236.
 # The engine's tuner, H100 runs 112-116: "first" (32, 4) picked in 112 and 114 (126.3, 119.1 us), (64, 4, 32) in 115
 # and 116 (139.1, 131.9; "first" 151.1, 138.7): a tie
+# "persist3": "first"'s items by a fixed grid of programs, each walking its items in a pipelined loop (three stages;
+# `_pair_persistent_kernel`, thirty-seventh session: built offline for sm_90a and run in Triton's interpreter, not yet
+# timed on a GPU, so the tuner's timing decides)
 PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True),     # (each built and run in run 99)
-                (32, 4, "first"), (64, 8, "first"))
+                (32, 4, "first"), (64, 8, "first"), (32, 4, "persist3"), (64, 8, "persist3"))
 PAIR_TUNED: dict = {}
 # the cached maps' rows read 16 bytes at a time (`_aligned`: their addresses made relative to an aligned pointer
 # argument, so the compiler knows their alignment; thirty-sixth session, not yet timed on a GPU: gpu_bench's variant
@@ -789,10 +820,17 @@ PAIR_ALIGNED = True
 
 def pair_form(form) -> tuple[bool, int, bool]:
     """A PAIR_CONFIGS form as _pair_lowrank_kernel's (HALVES, BC, FIRST): True halves, an int column chunks of that
-    width, "first" every load first, False whole rows."""
+    width, "first" every load first, False whole rows (a "persist<stages>" form: `pair_stages`)."""
+    if pair_stages(form):
+        return False, 0, True
     first = form == "first"
     halves = form is True
     return halves, 0 if isinstance(form, bool) or first else int(form), first
+
+
+def pair_stages(form) -> int:
+    """The pipeline stages of a "persist<stages>" form (`_pair_persistent_kernel`), 0 for the other forms."""
+    return int(form[7:]) if isinstance(form, str) and form.startswith("persist") else 0
 
 
 def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, out: torch.Tensor, *,
@@ -815,7 +853,8 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
     cores: compiled for sm_90a offline, 255 registers and no spills at 32 rows and 4 warps, where "ieee" spills 368
     bytes; "ieee" in Triton's interpreter). block_rows / warps / halves (True: two programs per row block, one for M
     and one for c; an int: the columns in chunks of that width, `_pair_chunked`; "first": whole rows with every load
-    issued before the first product, `_pair_first`): a fixed configuration (else the
+    issued before the first product, `_pair_first`; "persist<stages>": those items by a fixed grid in a pipelined loop,
+    `_pair_persistent_kernel`): a fixed configuration (else the
     tuned one of PAIR_CONFIGS, timed on the shape's first eager CUDA call; else the first whose column chunks tile K
     and V)."""
     n, h, rows, k = factors.shape
@@ -833,6 +872,13 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
         halves_, bc, first = pair_form(hv)
         if bc and (k % bc or v % bc):
             raise ValueError(f"column chunks of {bc} must tile K = {k} and V = {v}")
+        stages = pair_stages(hv)
+        if stages:          # two programs per SM at most, each walking every grid-th item
+            items = pairs.shape[0] * h * triton.cdiv(k, br)
+            _pair_persistent_kernel[(min(items, 2 * _sm_count(out.device)),)](
+                pairs, factors, U, out, pairs.shape[0], H=h, K=k, V=v, WF=wf, BR=br, PW=pairs.stride(0), PREC=prec,
+                SKIP=skip_marked, ALIGNED=PAIR_ALIGNED, STAGES=stages if out.is_cuda else 1, num_warps=w)
+            return
         _pair_lowrank_kernel[(pairs.shape[0] * (2 if halves_ else 1), h, triton.cdiv(k, br))](
             pairs, factors, U, out, H=h, K=k, V=v, WF=wf, BR=br, PW=pairs.stride(0), PREC=prec, HALVES=halves_,
             BC=bc, SKIP=skip_marked, FIRST=first, ALIGNED=PAIR_ALIGNED, num_warps=w)
