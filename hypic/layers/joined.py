@@ -28,7 +28,7 @@ class JoinedWeights:
 
     def __init__(self):
         self._hit = (None, None)
-        self._packed = None            # (matrix, the parts' (data_ptr, shape) as packed)
+        self._packed = None            # (matrix, the parts' (data_ptr, shape, dtype) as packed)
 
     def pack(self, params: list[torch.nn.Parameter]) -> None:
         """One matrix [p_1; p_2; ...; 0] (zero rows to a multiple of ROWS_MULTIPLE); each parameter's data becomes
