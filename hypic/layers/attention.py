@@ -442,7 +442,8 @@ def _unbiased(m) -> bool:
 
 
 def _qkv_parts(m) -> list:
-    """q | k | v packed into one matrix at load time (layers/joined.py pack_model) where none has a bias."""
+    """q | k | v packed into one matrix at load time (layers/joined.py pack_model) where none has a bias (so a packed
+    join is never a biased module's)."""
     return [(m._qkv, [m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])] if _unbiased(m) else []
 
 
@@ -472,7 +473,7 @@ class GatedAttention(RopeAttention):
     def project(self, x, batch):
         n = x.shape[0]
         ws = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        if _unbiased(self) and self._qkv.packed(*ws) is not None:       # queries, keys and values by one GEMM
+        if self._qkv.packed(*ws) is not None:                           # queries, keys and values by one GEMM
             qg, k, v = self._qkv.linear(x, *ws)
         else:
             qg = self.q_proj(x)
@@ -516,7 +517,7 @@ class Attention(RopeAttention):
     def project(self, x, batch):
         n = x.shape[0]
         ws = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        if _unbiased(self) and self._qkv.packed(*ws) is not None:       # queries, keys and values by one GEMM
+        if self._qkv.packed(*ws) is not None:                           # queries, keys and values by one GEMM
             q, k, v = self._qkv.linear(x, *ws)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

@@ -87,17 +87,16 @@ class SparseMoe(nn.Module):
     def forward(self, x):
         se = self.shared_expert
         ws = self._input_weights()
-        if self._unbiased() and self._shared_in.packed(*ws) is not None:
-            logits, gate, up, sg = self._shared_in.linear(x, *ws)
-            weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk, logits=logits)
-            shared = (sg, se.down_proj(F.silu(gate) * up))
+        logits = None
+        if se.gate_proj.bias is not None or se.up_proj.bias is not None:
+            shared = (self.shared_expert_gate(x), se(x))
         else:
-            weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk)
-            if se.gate_proj.bias is not None or se.up_proj.bias is not None:
-                shared = (self.shared_expert_gate(x), se(x))
+            if self._shared_in.packed(*ws) is not None:     # (packed: the router's logits from the same GEMM)
+                logits, gate, up, sg = self._shared_in.linear(x, *ws)
             else:
                 gate, up, sg = self.shared_in(x)
-                shared = (sg, se.down_proj(F.silu(gate) * up))
+            shared = (sg, se.down_proj(F.silu(gate) * up))
+        weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk, logits=logits)
         # y + sigmoid(gate) * out, added by the experts' combine (one kernel on the fast backend's few-rows path)
         return self.ops.experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
                                         shared=shared)
