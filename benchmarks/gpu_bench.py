@@ -86,7 +86,8 @@ def timed(fn, reps: int, warm: int = 1):
     return statistics.median(ts), ts
 
 
-def profile(name, fn):
+def profile(name, fn, sources: bool = False):
+    """sources: also the Python lines behind each aten op that ran on the device (op_sources; eager runs only)."""
     from torch.profiler import ProfilerActivity, profile as prof
 
     fn()
@@ -94,7 +95,10 @@ def profile(name, fn):
     _spans.ENABLED = True
     try:
         # record_shapes: the by-shape table below names the tensors (run 53's log had that table without shapes)
-        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as pr:
+        # (sources: the op's Python stack is kept only under the verbose experimental config in this torch)
+        extra = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) \
+            if sources else {}
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, **extra) as pr:
             fn()
             sync()
     finally:
@@ -109,7 +113,32 @@ def profile(name, fn):
     kb = pr.key_averages(group_by_input_shape=True)
     print(kb.table(sort_by="self_cuda_time_total" if DEV == "cuda" else "self_cpu_time_total", row_limit=30,
                    max_name_column_width=40, max_shapes_column_width=70))
+    if sources:
+        print(op_sources(pr))
     return tl_
+
+
+def op_sources(pr, rows: int = 45, frames: int = 3) -> str:
+    """The aten ops with device time, by input shapes and the hypic source lines that called them (all layers
+    together), most time first: the small elementwise ops and copies between the compose pass's kernels, named where
+    the kernel table cannot (its ~500 `elementwise_kernel` launches of 2-4 us each carry no op name)."""
+    cuda = DEV == "cuda"
+    t = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total  # noqa: E731
+    groups: dict = {}
+    for e in pr.events():
+        if not e.name.startswith("aten::") or t(e) <= 0:
+            continue
+        src = tuple(f.split("hypic/")[-1] for f in (e.stack or []) if "hypic/" in f)[:frames]
+        k = (e.name, str(e.input_shapes)[:90], src)
+        us, n = groups.get(k, (0.0, 0))
+        groups[k] = (us + t(e), n + 1)
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    out = [f"\n== aten ops with device time, by shapes and source (top {rows} of {len(ranked)}; "
+           f"{sum(v[0] for v in groups.values()) / 1e3:.2f} ms in all) ==",
+           f"{'us':>8} {'calls':>5}  op  shapes  <- source"]
+    for (name, shapes, src), (us, n) in ranked[:rows]:
+        out.append(f"{us:8.1f} {n:5d}  {name}  {shapes}  <- {' | '.join(src)}")
+    return "\n".join(out)
 
 
 def timeline(pr, name: str) -> dict:
@@ -843,7 +872,7 @@ def main():
                 p_e = Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)
                 ttft(p_e)
                 profile("warm pic request, the fixed buffers run eagerly (ops behind the graph's kernels)",
-                        lambda: ttft(p_e))
+                        lambda: ttft(p_e), sources=True)
             except Exception:  # a diagnostic: it must not cost the rest of the device call
                 import traceback
 
