@@ -458,7 +458,14 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 # the projections that read one input by their GEMMs of before the 37th session (a linear layer's
                 # q | k | v, z and b | a; the attention's q and k | v; the router and the shared expert's inputs), not
                 # by one GEMM over their packed matrix (layers/joined.py)
-                ("joins_apart", flag(_joined, "USE_PACKED", False), {})]
+                ("joins_apart", flag(_joined, "USE_PACKED", False), {}),
+                # the small gates by the ops of before the 38th session: the GDN gate (a copy of a, fla's kernel) and
+                # sigmoid(b), silu(gate) then * up, the query and key norms (a copy of the strided heads each) then
+                # RoPE by PyTorch ops
+                ("gates_apart", flag(_fast, "FUSED_GATES", False), {}),
+                # the active tokens' raw conv inputs copied into the conv's source buffer, the window gathered (before
+                # the 38th session), not read in place by the conv kernel
+                ("conv_copied", flag(_linear, "CONV_IN_PLACE", False), {})]
     if _tr is not None:
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
     try:
@@ -937,7 +944,11 @@ def main():
     llm.set_policy("full", 0)
     p_full = Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)
     # (the allocator's cached blocks released first: on an 80 GB card the row ran out of memory with 5 GB reserved
-    # but unallocated after the variants' composers, H100 run 120)
+    # but unallocated after the variants' composers, H100 run 120; and with them released, still, H100 runs 121-122:
+    # 73.2 GB allocated. The composer's buffers and graphs go too: the pic rows are done, a later pic request would
+    # capture again)
+    if comp is not None:
+        comp.clear()
     (torch.cuda.empty_cache() if DEV == "cuda" else None)
     rag["full_s"] = timed(lambda: ttft(p_full), args.reps)[0]
     print(f"full TTFT: {rag['full_s'] * 1e3:.0f} ms", flush=True)

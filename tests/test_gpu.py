@@ -1244,6 +1244,19 @@ w, b = torch.randn(300, 4), torch.randn(300)
 y0 = torch.nn.functional.silu((src[idx] * w.t()).sum(1) + b)
 assert rel(gathered_conv(src, idx, w, b, "silu"), y0.double()) < 1e-6
 assert rel(gathered_conv(src, idx, w, None, None), (src[idx] * w.t()).sum(1).double()) < 1e-6
+wide = torch.randn(20, 310)                 # src's last 20 rows read in place from a joined GEMM's columns
+raw = wide[:, 5:305]
+src2 = torch.cat([src[:30], raw])
+win = torch.full((3, 300), float("nan"))
+last = torch.tensor([6])
+got = gathered_conv(src[:50].clone(), idx, w, b, "silu", raw=raw, window=win, last=last)
+y2 = torch.nn.functional.silu((src2[idx] * w.t()).sum(1) + b)
+assert rel(got, y2.double()) < 1e-6 and torch.equal(win, src2[idx[6, 1:]])     # the window: rows as read
+try:
+    gathered_conv(src, idx, w, b, "silu", raw=raw.t())
+    raise AssertionError("column-strided raw rows must be refused")
+except ValueError:
+    pass
 from hypic.ops import triton_place                   # the attention operands placed and ordered in one launch
 from hypic.ops.reference import order_keys as ref_order
 for dt in (torch.float32, torch.bfloat16):
@@ -1683,6 +1696,169 @@ for bad in ((U[:, :1], F, cu_t), (U.transpose(-1, -2).contiguous(), F, cu_t), (U
 print("ok")
 """
     _run_in_interpreter(code)
+
+
+@needs_triton
+def test_triton_gates_in_interpreter():
+    """ops/triton_gates.py in Triton's interpreter against the reference in fp64: the GDN gate and write strength of a
+    and b read in place as columns of a wider matrix (a joined GEMM's output), with |a + dt_bias| up to ~40 so that
+    softplus's threshold (20) and its tiny tail (where log(1 + e) would be 0) are both crossed; act(gate) * up from
+    columns likewise (SwiGLU), and sigmoid(gate) * out with gate the strided heads of a gated attention's q_proj output.
+    fp32: the interpreter's bf16 casts truncate, so the roundings are the GPU test's. 1e-6: a few fp32 ulps of exp,
+    log and sigmoid. And the fast backend's ops take these kernels (the reference ops when the switch is off)."""
+    code = """
+import torch
+from hypic.ops import fast, triton_gates
+from hypic.ops.reference import gdn_gate_beta as ref_gb, act_mul as ref_am
+def rel(x, y):
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm())
+g = torch.Generator().manual_seed(0)
+for n, h in ((37, 32), (5, 6), (0, 8)):
+    wide = torch.randn(n, 3 * h + 7, generator=g) * 12
+    a, b = wide[:, 3:3 + h], wide[:, 3 + h + 2:3 + 2 * h + 2]
+    a_log, dt = torch.randn(h, generator=g), torch.randn(h, generator=g)
+    g1, b1 = triton_gates.gate_beta(a, b, a_log, dt)
+    assert g1.shape == b1.shape == (n, h) and g1.dtype == torch.float32 and b1.dtype == b.dtype
+    gu = torch.randn(n, 2 * h + 3, generator=g) * 4
+    s1 = triton_gates.act_mul(gu[:, :h], gu[:, h + 3:])
+    assert s1.shape == (n, h) and s1.is_contiguous()
+    qg = torch.randn(n, 4, 2 * h, generator=g) * 4               # [query | gate] per head; the gate's heads strided
+    gate, out = qg.chunk(2, dim=-1)[1], torch.randn(n, 4, h, generator=g)
+    s2 = triton_gates.act_mul(gate, out, "sigmoid")
+    assert s2.shape == (n, 4 * h) and s2.is_contiguous()
+    if n:
+        g0, b0 = ref_gb(a.double(), b.double(), a_log.double(), dt.double())
+        assert rel(g1, g0) < 1e-6 and rel(b1, b0) < 1e-6, (n, h)
+        assert rel(s1, ref_am(gu[:, :h].double(), gu[:, h + 3:].double())) < 1e-6
+        assert rel(s2, ref_am(gate.double(), out.double(), "sigmoid")) < 1e-6
+        assert rel(s2, ref_am(gate.double(), out.double(), "silu")) > 1e-2
+x = torch.tensor([[-100., -30., -17., -5., 0., 5., 19.9, 20.1, 50.]])     # softplus across its range, elementwise
+z = torch.zeros(9)
+g1 = triton_gates.gate_beta(x, x, z, z)[0]
+g0 = ref_gb(x.double(), x.double(), z.double(), z.double())[0]
+assert ((g1.double() - g0).abs() <= 4e-7 * g0.abs()).all(), (g1, g0)
+n, h = 9, 8
+wide, gu, qg = torch.randn(n, 3 * h + 7, generator=g), torch.randn(n, 2 * h + 3, generator=g), torch.randn(n, 4, 2 * h)
+gate, out = qg.chunk(2, dim=-1)[1], torch.randn(n, 4, h, generator=g)
+a_log, dt = torch.randn(h, generator=g), torch.randn(h, generator=g)
+fast.INTERPRETED = True
+calls = []
+for name in ("gate_beta", "act_mul"):
+    fn = getattr(triton_gates, name)
+    setattr(triton_gates, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+a, b = wide[:, 3:3 + h], wide[:, 3 + h + 2:3 + 2 * h + 2]
+fast.gdn_gate_beta(a, b, a_log, dt)
+fast.act_mul(gu[:, :h], gu[:, h + 3:])
+fast.act_mul(gate, out, "sigmoid")
+assert calls == ["gate_beta", "act_mul", "act_mul"], calls
+fast.FUSED_GATES = False
+fast.gdn_gate_beta(a, b, a_log, dt)
+assert torch.equal(fast.act_mul(gate, out, "sigmoid"), ref_am(gate, out, "sigmoid"))
+assert calls == ["gate_beta", "act_mul", "act_mul"], calls
+print("ok")
+"""
+    _run_in_interpreter(code)
+
+
+@needs_triton
+def test_triton_norm_rope_in_interpreter():
+    """ops/triton_norm.py's rows read in place and its RoPE epilogue, in Triton's interpreter against the reference in
+    fp64 (1e-6: fp32 sums of squares): the query heads of a gated attention's joined GEMM ([N, 16, 512] rows, the
+    first half of each head's 2 D columns: neither contiguous nor viewable as rows) normed in place; normed and rotated
+    over rotary_dim 0, 8 and D columns (cos / sin of one row per token, as `Rotary.cos_sin` makes them), into a new
+    tensor or into rows of a larger buffer whose other rows stay as they were; the gated norm of a summary's [o | u]
+    view; a mutant with sin negated fails. And the fast backend's rms_norm_rope takes the kernel (its result equal to
+    the reference op's within the same bound), and the reference when the switch is off."""
+    code = """
+import torch
+from hypic.ops import fast
+from hypic.ops.triton_norm import norm_rows
+from hypic.ops.reference import rms_norm, rms_norm_gated, rms_norm_rope
+def rel(x, y):
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm())
+g = torch.Generator().manual_seed(0)
+N, G, D = 19, 4, 32
+wide = torch.randn(N, G, 2 * D, generator=g) * 3
+q = wide.chunk(2, dim=-1)[0]                         # strided heads, as GatedAttention's q
+assert not q.is_contiguous()
+w = torch.randn(D, generator=g)
+assert rel(norm_rows(q, w, 1e-6), rms_norm(q.double(), w.double(), 1e-6)) < 1e-6
+pos = torch.randint(0, 30000, (N,), generator=g).float()
+for r in (0, 8, D):
+    inv = 1.0 / (10000 ** (torch.arange(0, max(r, 2), 2).float() / max(r, 2)))
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    want = rms_norm_rope(q.double(), w.double(), 1e-6, cos.double(), sin.double(), r)
+    got = norm_rows(q, w, 1e-6, rope=(cos, sin, r))
+    assert got.is_contiguous() and rel(got, want) < 1e-6, r
+    big = torch.full((N + 5, G, D), 7.0)
+    into = big[2:N + 2]
+    assert norm_rows(q, w, 1e-6, rope=(cos, sin, r), out=into) is into
+    assert rel(into, want) < 1e-6 and (big[:2] == 7).all() and (big[N + 2:] == 7).all(), r
+    if r:
+        bad = norm_rows(q, w, 1e-6, rope=(cos, -sin, r))
+        assert rel(bad, want) > 1e-2
+        fast.INTERPRETED = True
+        ropes = []
+        kern = fast.triton_kernel("norm")
+        fast._import_kernel.cache_clear()
+        import hypic.ops.triton_norm as tn
+        tn.norm_rows = lambda *a, **kw: ropes.append(kw.get("rope") is not None) or kern(*a, **kw)
+        assert rel(fast.rms_norm_rope(q, w, 1e-6, cos, sin, r), want) < 1e-6 and ropes == [True]
+        fast.FUSED_GATES = False                     # the norm's kernel, then the reference's rotation
+        assert rel(fast.rms_norm_rope(q, w, 1e-6, cos, sin, r), want) < 1e-6 and ropes == [True, False]
+        tn.norm_rows = kern
+        fast._import_kernel.cache_clear()
+        fast.FUSED_GATES, fast.INTERPRETED = True, False
+ou = torch.randn(N, G, D + 16, generator=g)          # the summary's [o | u] rows: o read in place
+o, z = ou[..., :D], torch.randn(N, G, D, generator=g)
+assert rel(norm_rows(o, w, 1e-6, gate=z), rms_norm_gated(o.double(), z.double(), w.double(), 1e-6, "silu")) < 1e-6
+for bad in (dict(rope=(cos, sin, 7)), dict(rope=(cos, sin, r), gate=z), dict(out=torch.empty(N, G, D).transpose(0, 1))):
+    try:
+        norm_rows(q, w, 1e-6, **bad)
+        raise AssertionError(bad)
+    except ValueError:
+        pass
+print("ok")
+"""
+    _run_in_interpreter(code)
+
+
+@cuda
+def test_gates_match_unfused_ops_on_cuda():
+    """The fused gates on the GPU in bf16 against the ops they replace: act(gate) * up within one bf16 rounding of
+    PyTorch's two ops (the activation's fp32 value may round the other way where it sits on a bf16 midpoint: rare),
+    for SwiGLU's columns and a gated attention's strided gate heads; the GDN gate (fp32) within 1e-6 of the
+    reference's, sigmoid(b) within one bf16 rounding; the query norm with RoPE likewise against the norm kernel and
+    the reference rotation."""
+    from hypic.ops import fast, triton_gates
+    from hypic.ops.reference import gdn_gate_beta as ref_gb
+    from hypic.ops.reference.attention import rope_into
+
+    def within_ulp(a, b, frac=0.02):
+        a, b = a.float(), b.float()
+        return bool(((a - b).abs() <= b.abs() * 2 ** -8 + 1e-30).all()) and float((a != b).float().mean()) < frac
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    wide = torch.randn(256, 2 * 512 + 1 + 32 * 2, device="cuda", generator=g).bfloat16() * 4
+    gate, up = wide[:, :512], wide[:, 512:1024]
+    assert within_ulp(triton_gates.act_mul(gate, up), torch.nn.functional.silu(gate) * up)
+    qg = (torch.randn(256, 16, 512, device="cuda", generator=g) * 4).bfloat16()
+    hg, out = qg.chunk(2, dim=-1)[1], torch.randn(256, 16, 256, device="cuda", generator=g).bfloat16()
+    assert within_ulp(triton_gates.act_mul(hg, out, "sigmoid"), (out * torch.sigmoid(hg)).reshape(256, -1))
+    a, b = wide[:, 1025:1057], wide[:, 1057:1089]
+    a_log, dt = torch.randn(32, device="cuda", generator=g), torch.randn(32, device="cuda", generator=g)
+    g0, b0 = ref_gb(a, b, a_log, dt)
+    g1, b1 = triton_gates.gate_beta(a, b, a_log, dt)
+    assert rel(g1, g0) < 1e-6 and within_ulp(b1, b0, 1.0)
+    q, w = qg.chunk(2, dim=-1)[0], torch.randn(256, device="cuda", generator=g) * 0.1 + 1
+    ang = torch.arange(256, device="cuda").float()[:, None] * 1e4 ** -torch.linspace(0, 1, 32, device="cuda")
+    cos, sin = torch.cat([ang, ang], -1).cos().bfloat16(), torch.cat([ang, ang], -1).sin().bfloat16()
+    want = torch.empty_like(q, memory_format=torch.contiguous_format)
+    rope_into(fast.rms_norm(q, w, 1e-6), cos, sin, want, 64)
+    assert within_ulp(fast.rms_norm_rope(q, w, 1e-6, cos, sin, 64), want)
 
 
 def _parallel_against_one_rank(parallel):

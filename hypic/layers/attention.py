@@ -77,6 +77,13 @@ class AttentionMixer(nn.Module):
         """place_keys(k, ...) written into out."""
         out.copy_(self.place_keys(k, positions, batch, key))
 
+    def project_placed(self, x, batch, k_out: torch.Tensor):
+        """project, then the queries placed at the batch's positions and the keys placed into k_out:
+        (q placed, v, extra). A layer whose norms and RoPE are one kernel overrides it (GatedAttention)."""
+        q, k_raw, v, extra = self.project(x, batch)
+        self.place_keys_into(k_raw, k_out, batch.positions, batch)
+        return self.place_queries(q, batch.positions, batch), v, extra
+
     def key_tables(self, k: torch.Tensor, positions: torch.Tensor, batch, key=None):
         """(cos, sin, rotary_dim): the rotate-half RoPE tables that place keys k at `positions` (ops.order_keys
         applies them), or None where keys are placed some other way (placed by place_keys_into instead)."""
@@ -263,9 +270,7 @@ class AttentionMixer(nn.Module):
         in the pass's outputs for the request's state."""
         c = batch.captured
         buf = c.layers[self.layer_idx]
-        q, k_raw, v, extra = self.project(x, batch)
-        q = self.place_queries(q, batch.positions, batch)
-        self.place_keys_into(k_raw, buf["kt"], batch.positions, batch)
+        q, v, extra = self.project_placed(x, batch, buf["kt"])
         buf["vt"].copy_(v)
         keys, values = buf["keys"], buf["values"]
         c.outputs[self.layer_idx] = (keys, values)
@@ -470,7 +475,9 @@ class GatedAttention(RopeAttention):
     def joined_parts(self) -> list:
         return _qkv_parts(self)
 
-    def project(self, x, batch):
+    def _projected(self, x):
+        """(q [N, H, D], gate [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) before the norms: views of the projections'
+        outputs (of one GEMM where packed)."""
         n = x.shape[0]
         ws = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         if self._qkv.packed(*ws) is not None:                           # queries, keys and values by one GEMM
@@ -482,12 +489,27 @@ class GatedAttention(RopeAttention):
             else:
                 k, v = self.k_proj(x), self.v_proj(x)
         q, gate = qg.reshape(n, self.nh, 2 * self.hd).chunk(2, dim=-1)
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.hd))
-        return self.q_norm(q), k, v.view(n, self.num_kv_heads, self.hd), gate
+        return q, gate, k.view(n, self.num_kv_heads, self.hd), v.view(n, self.num_kv_heads, self.hd)
+
+    def project(self, x, batch):
+        q, gate, k, v = self._projected(x)
+        return self.q_norm(q), self.k_norm(k), v, gate
+
+    def project_placed(self, x, batch, k_out):
+        """The query and key norms with their RoPE as one op each (`RMSNorm.rope`: on the fast backend one kernel
+        that reads the heads in place), the keys written into k_out; equal to project, place_queries and
+        place_keys_into (tests/test_compose_graph.py)."""
+        if self.rotary is None:
+            return super().project_placed(x, batch, k_out)
+        q, gate, k, v = self._projected(x)
+        cos, sin = self._rope(batch.positions, q.dtype, batch)
+        r = self.rotary[0].rotary_dim
+        self.k_norm.rope(k, cos, sin, r, out=k_out)
+        return self.q_norm.rope(q, cos, sin, r), v, gate
 
     def output(self, x, out, gate):
-        n = x.shape[0]
-        return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1)))
+        # out [N, H, D] times sigmoid(gate) (the strided heads of q_proj's output, read in place by the fast op)
+        return self.o_proj(self.ops.act_mul(gate, out.reshape(gate.shape), "sigmoid"))
 
 
 class Attention(RopeAttention):

@@ -100,8 +100,8 @@ class GatedDeltaNet(LinearMixer):
             # the decay and write-strength inputs, [HV] each, by one GEMM (a copy of two small matrices)
             b, a = self._ab.linear(x, self.in_proj_b.weight, self.in_proj_a.weight)
             raw, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        g = self.ops.gdn_gate(a, self.A_log, self.dt_bias)   # [N, HV] fp32
-        return {"raw": raw, "z": z, "g": g, "beta": torch.sigmoid(b)}
+        g, beta = self.ops.gdn_gate_beta(a, b, self.A_log, self.dt_bias)   # [N, HV]: fp32, b's dtype
+        return {"raw": raw, "z": z, "g": g, "beta": beta}
 
     def kernel(self, f, conv_out, idx, init, cu, summarize, readout=False, short=None, init_augmented=False,
                max_len=None, factors=False, values=False):

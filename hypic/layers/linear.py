@@ -155,6 +155,7 @@ class LinearMixer(nn.Module):
         e = shape.entries
         buf = dict(init=torch.zeros(2, h, k, v, device=device),
                    src=torch.zeros(wm1 * (1 + shape.entries) + shape.tokens, self.conv_dim, dtype=dtype, device=device),
+                   win=torch.zeros(max(wm1, 1), self.conv_dim, dtype=dtype, device=device),
                    init_is_zero=True, window_is_zero=True)
         if kernel_ready(device):
             # the chain's step table [E + R, 6] (runtime/compose_graph.py gives every layer a row of one host
@@ -312,25 +313,35 @@ class LinearMixer(nn.Module):
         e = sh.entries
         raw = f["raw"]
         src = buf["src"]
-        src[src.shape[0] - sh.tokens :] = raw
         weight, bias = self.conv_weights()
         from ..ops.fast import kernel_failed, triton_here, triton_kernel
 
         conv = (triton_kernel("conv", src, weight, bias) if triton_here(src) and self.conv_activation in (None, "silu")
                 else None)
-        conv_out = None
+        conv_out, window = None, None
         if conv is not None:                # one kernel (ops/triton_conv.py)
             try:
-                conv_out = conv(src, c.conv_idx, weight, bias, self.conv_activation)
+                # the active tokens' raw inputs read in place, and the request's window (the last token's newest
+                # W - 1 inputs: the lowering has the request end with an active run) written by the kernel
+                if CONV_IN_PLACE:
+                    win = buf["win"] if self.conv_width > 1 else None
+                    conv_out = conv(src, c.conv_idx, weight, bias, self.conv_activation, raw=raw, window=win,
+                                    last=c.logits_index if win is not None else None)
+                    window = win
+                else:
+                    src[src.shape[0] - sh.tokens :] = raw
+                    conv_out = conv(src, c.conv_idx, weight, bias, self.conv_activation)
             except Exception as e:
                 kernel_failed("conv", e)
         if conv_out is None:
+            src[src.shape[0] - sh.tokens :] = raw             # (a copy again where the kernel failed after it: equal)
             # [Np, W, C] times [W, C], summed over W: elementwise (as an einsum it became a batched GEMV, 0.11 ms
             # per layer on the H200 for ~10 us of work)
             y = (src[c.conv_idx].float() * weight.float().t()).sum(1)
             if bias is not None:
                 y = y + bias.float()
             conv_out = (torch.nn.functional.silu(y) if self.conv_activation == "silu" else y).to(raw.dtype)
+        kept = window if window is not None else src[c.window]        # the request's conv window
         # every run from zero: outputs, readout, and the runs' maps, [S | T] or S with T's factors (RUN_FACTORS),
         # or U with T's factors (LOWRANK_PAIRS)
         factored, paired = "factor_width" in buf, "pair_maps" in buf
@@ -379,7 +390,7 @@ class LinearMixer(nn.Module):
                 kernel_failed("steps", err)
             else:
                 if fused:
-                    return self._finish(o0, u, final[0], f, conv_out, c, src, tail_maps)
+                    return self._finish(o0, u, final[0], f, conv_out, c, kept, tail_maps)
         if final is None:
             if "steps" in buf:
                 T, S = stack_dense([(p.T, p.S) for p in buf["parts"]])
@@ -395,16 +406,16 @@ class LinearMixer(nn.Module):
         s0 = before[e:]
         if sh.tail:
             s0 = torch.cat([s0[: sh.runs - sh.tail], s0.new_zeros((sh.tail,) + tuple(s0.shape[1:]))])
-        return self._finish(_corrected(o0, u, s0, c.run_of, c.pos_in_run, sh.lmax), u, final[0], f, conv_out, c, src,
+        return self._finish(_corrected(o0, u, s0, c.run_of, c.pos_in_run, sh.lmax), u, final[0], f, conv_out, c, kept,
                             tail_maps)
 
-    def _finish(self, o, u, state, f, conv_out, c, src, tail_maps=None):
+    def _finish(self, o, u, state, f, conv_out, c, window, tail_maps=None):
         """The pass's outputs and what it leaves for the request's state (final state, conv window); with a tail (the
         query's runs outside the chain, `state` the chain's last: the tail's initial state), the tail's part made by
         `_tail`."""
         if c.shape.tail:
             state = self._tail(o, u, state, f, conv_out, c, tail_maps)
-        c.outputs[self.layer_idx] = (state, src[c.window])
+        c.outputs[self.layer_idx] = (state, window)
         return o
 
     def _tail(self, o, u, s0, f, conv_out, c, maps=None):
@@ -863,6 +874,9 @@ RUN_FACTORS = False
 # pair kernel alone 167 us per layer (not ~40-80), yet the warm request -0.59 ms against dense runs, paired by round
 # (the shorter chain and the summary's smaller writes outweigh it); run 99, the pair kernel tuned (135.5 us): -0.82 ms.
 # On since; gpu_bench's variant `runs_dense`.
+# the compose pass's conv kernel reads the active tokens' raw inputs where the input GEMM wrote them and writes the
+# request's conv window itself (38th session); False: the raw rows copied into the source buffer, the window gathered
+CONV_IN_PLACE = True
 LOWRANK_PAIRS = True
 # With the pairs, the pad runs' maps left unmade when the scan corrects the outputs itself (no chain reads them; 2 of
 # the warm request's 26 runs). Written and checked in Triton's interpreter after run 99; H100 run 102, paired (gpu_bench's

@@ -95,7 +95,7 @@ class SparseMoe(nn.Module):
                 logits, gate, up, sg = self._shared_in.linear(x, *ws)
             else:
                 gate, up, sg = self.shared_in(x)
-            shared = (sg, se.down_proj(F.silu(gate) * up))
+            shared = (sg, se.down_proj(self.ops.act_mul(gate, up)))
         weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk, logits=logits)
         # y + sigmoid(gate) * out, added by the experts' combine (one kernel on the fast backend's few-rows path)
         return self.ops.experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,

@@ -55,6 +55,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ops(self.ops, x).rms_norm(x, self.scale(), self.eps)
 
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """forward(x) of x [N, H, D] rotated by RoPE (rotate-half over each head's first rotary_dim dims; cos, sin
+        [N, >= rotary_dim / 2]), written into out where given: `Rotary.apply_into`'s result on the normed x, in
+        one kernel on the fast backend."""
+        return _ops(self.ops, x).rms_norm_rope(x, self.scale(), self.eps, cos, sin, rotary_dim, out)
+
 
 class RMSNormGated(nn.Module):
     """w * x / rms(x), then * act(gate) (norm before gate; act silu, or sigmoid where Qwen4-Exp's config says so). The

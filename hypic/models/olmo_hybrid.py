@@ -54,8 +54,7 @@ class OlmoGatedDeltaNet(GatedDeltaNet):
         if raw.shape[-1] != self.conv_dim:                 # the joined matrix's zero padding rows
             raw = raw[..., : self.conv_dim]
         b, a = self._ab.linear(x, self.b_proj.weight, self.a_proj.weight)
-        g = self.ops.gdn_gate(a, self.A_log, self.dt_bias)
-        beta = torch.sigmoid(b)
+        g, beta = self.ops.gdn_gate_beta(a, b, self.A_log, self.dt_bias)
         if self.beta_scale != 1.0:
             beta = beta * self.beta_scale
         return {"raw": raw, "z": self.g_proj(x), "g": g, "beta": beta}

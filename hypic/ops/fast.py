@@ -13,7 +13,9 @@
                        weights streamed by a Triton kernel (ops/triton_moe.py), else two grouped GEMMs
                        (torch._grouped_mm); the routing (softmax, top k, renormalisation) and, for few
                        rows, the sort by expert in one Triton kernel each (ops/triton_route.py)
-    norms, GDN gate    fla-core's fused kernels (one launch each, fp32 inside, one rounding)
+    norms, GDN gate    fla-core's fused kernels (one launch each, fp32 inside, one rounding); per-head norms
+                       (ops/triton_norm.py, with RoPE), the GDN gate with sigmoid(b) and act(gate) * up
+                       (ops/triton_gates.py) by own kernels reading the joined GEMM's columns in place
     diagonal scan      (RG-LRU) fla-core's fused recurrent HGRN kernel on CUDA
     KDA                fla-core's chunk and fused recurrent KDA kernels on CUDA (the gates computed here, as
                        in the reference: fla's in-kernel gate is not used); the reference elsewhere
@@ -133,6 +135,22 @@ def rms_norm_gated(x, gate, weight, eps, activation):
     return y.view(x.shape)
 
 
+def rms_norm_rope(x, weight, eps, cos, sin, rotary_dim, out=None):
+    """The reference signature in one kernel (ops/triton_norm.py with its RoPE epilogue) that reads x's strided heads in
+    place and writes out; else the norm, then the reference rotation."""
+    if FUSED_GATES and x.dim() == 3:
+        y = _own_norm(x, weight, eps, cos, sin, rope=(cos, sin, rotary_dim), out=out)
+        if y is not None:
+            return y
+    y = rms_norm(x, weight, eps)
+    if out is None:
+        out = torch.empty_like(y, memory_format=torch.contiguous_format)
+    from .reference.attention import rope_into
+
+    rope_into(y, cos, sin, out, rotary_dim)
+    return out
+
+
 def gdn_gate(a, a_log, dt_bias):
     """The reference signature in one fla kernel (fp32 out)."""
     k = _norm_kernels(a, a_log, dt_bias)
@@ -140,6 +158,34 @@ def gdn_gate(a, a_log, dt_bias):
         return ref.gdn_gate(a, a_log, dt_bias)
     return k[2](g=a.contiguous(), A_log=a_log.contiguous(), dt_bias=None if dt_bias is None else dt_bias.contiguous(),
                 output_dtype=torch.float32)
+
+
+FUSED_GATES = True       # False: the GDN gate with sigmoid(b), act(gate) * up, the head norms with RoPE as separate ops
+
+
+def gdn_gate_beta(a, b, a_log, dt_bias):
+    """The reference signature in one kernel (ops/triton_gates.py) that reads a and b in place (columns of the
+    joined input GEMM); else fla's gate kernel and a sigmoid."""
+    if FUSED_GATES and a.dim() == 2 and dt_bias is not None and triton_here(a):
+        kern = triton_kernel("gate_beta", a, b, a_log, dt_bias)
+        if kern is not None:
+            try:
+                return kern(a, b, a_log, dt_bias)
+            except Exception as e:
+                kernel_failed("gate_beta", e)
+    return gdn_gate(a, a_log, dt_bias), torch.sigmoid(b)
+
+
+def act_mul(gate, up, activation="silu"):
+    """The reference signature in one kernel (ops/triton_gates.py) that reads gate and up in place."""
+    if FUSED_GATES and gate.dim() in (2, 3) and triton_here(gate):
+        kern = triton_kernel("act_mul", gate, up)
+        if kern is not None:
+            try:
+                return kern(gate, up, activation)
+            except Exception as e:
+                kernel_failed("act_mul", e)
+    return ref.act_mul(gate, up, activation)
 
 
 # this backend's own Triton kernels (module, function under hypic.ops), each with a PyTorch form beside it
@@ -150,7 +196,8 @@ _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": 
             "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert"),
             "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention"),
             "norm": ("triton_norm", "norm_rows"), "order": ("triton_place", "order_keys"),
-            "pairs": ("triton_scan", "pair_lowrank"), "tail": ("triton_scan", "tail_epilogue")}
+            "pairs": ("triton_scan", "pair_lowrank"), "tail": ("triton_scan", "tail_epilogue"),
+            "gate_beta": ("triton_gates", "gate_beta"), "act_mul": ("triton_gates", "act_mul")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 
 

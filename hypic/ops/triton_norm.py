@@ -12,6 +12,12 @@ one configuration per width, chosen from the row's size and never retuned; the r
     KIND 0: y = x / rms(x) * w                      (rms(x) = sqrt(mean(x^2) + eps))
     KIND 1: y = x / rms(x) * w * act(g)             (act: silu, or sigmoid)
     KIND 2: y = x / sqrt(sum(x^2) + eps)            (l2 norm, no weight)
+    KIND 0 with R > 0: y's first R columns then rotated by RoPE (rotate-half), the query and key norms of a gated
+    attention layer and their positions in one launch (the compose pass: was a copy of the strided heads, the norm,
+    and five to seven elementwise ops of the rotation)
+
+Rows of x may be strided views ([N, G, D] with any row strides: the heads of a joined GEMM's output, the summary's
+[o | u] rows): read in place.
 
 fp32 inside, one rounding to y's dtype: the arithmetic of ops/reference/norm.py and of the reference l2 norm.
 
@@ -28,19 +34,23 @@ MAX_WIDTH = 512     # wider rows keep fla's kernels, whose tuning key has no row
 
 
 @triton.jit
-def _norm_rows(x, g, w, y, T, eps, g_group, g_stride, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-               KIND: tl.constexpr, SILU: tl.constexpr):
+def _norm_rows(x, g, w, y, cs, sn, T, eps, x_group, xs0, xs1, g_group, g_stride, y_group, ys0, ys1, cs_stride,
+               D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, KIND: tl.constexpr, SILU: tl.constexpr,
+               R: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     cols = tl.arange(0, BD)
     mc = cols < D
     m = (rows < T)[:, None] & mc[None, :]
-    off = rows[:, None] * D + cols[None, :]
-    xv = tl.load(x + off, mask=m, other=0.0).to(tl.float32)
+    # row r of x is head r % x_group of token r // x_group (x [N, G, D] with strides xs0, xs1, 1: a view of a joined
+    # GEMM's columns, or of the summary's [o | u] rows, read in place); y likewise with its own strides
+    x_row = rows // x_group * xs0 + rows % x_group * xs1
+    xv = tl.load(x + x_row[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     ss = tl.sum(xv * xv, 1)
     if KIND == 2:
         yv = xv * (1.0 / tl.sqrt(ss + eps))[:, None]
     else:
-        yv = xv * (1.0 / tl.sqrt(ss / D + eps))[:, None]
+        inv = 1.0 / tl.sqrt(ss / D + eps)
+        yv = xv * inv[:, None]
         yv = yv * tl.load(w + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
         if KIND == 1:
             # the gate's rows in groups of g_group contiguous rows, g_stride apart (a view of a joined GEMM's columns)
@@ -50,7 +60,27 @@ def _norm_rows(x, g, w, y, T, eps, g_group, g_stride, D: tl.constexpr, BD: tl.co
                 yv = yv * (gv * tl.sigmoid(gv))
             else:
                 yv = yv * tl.sigmoid(gv)
-    tl.store(y + off, yv.to(y.dtype.element_ty), mask=m)
+        if R > 0:
+            # rotate-half RoPE of the first R columns at the token's row of the cos / sin tables (their first halves),
+            # in the reference's roundings (ops/reference/attention.py rope_into on the rounded norm): the norm's
+            # output rounded to y's dtype, each product rounded, then the sum. Column c's partner c +- R / 2 is
+            # loaded again and normed by the row's own scale.
+            half: tl.constexpr = R // 2
+            rot = cols < R
+            pc = tl.where(cols < half, cols + half, cols - half)
+            mr = m & rot[None, :]
+            xp = tl.load(x + x_row[:, None] + pc[None, :], mask=mr, other=0.0).to(tl.float32)
+            yp = xp * inv[:, None] * tl.load(w + pc, mask=rot, other=0.0).to(tl.float32)[None, :]
+            yb = yv.to(y.dtype.element_ty).to(tl.float32)
+            ypb = yp.to(y.dtype.element_ty).to(tl.float32)
+            t_off = (rows // x_group * cs_stride)[:, None] + tl.where(cols < half, cols, cols - half)[None, :]
+            c = tl.load(cs + t_off, mask=mr, other=0.0).to(tl.float32)
+            sv = tl.load(sn + t_off, mask=mr, other=0.0).to(tl.float32)
+            a = (yb * c).to(y.dtype.element_ty).to(tl.float32)
+            b = (ypb * sv).to(y.dtype.element_ty).to(tl.float32)
+            yv = tl.where(rot[None, :], tl.where((cols < half)[None, :], a - b, a + b), yv)
+    y_row = rows // y_group * ys0 + rows % y_group * ys1
+    tl.store(y + y_row[:, None] + cols[None, :], yv.to(y.dtype.element_ty), mask=m)
 
 
 def _config(d: int) -> tuple[int, int, int]:
@@ -60,26 +90,62 @@ def _config(d: int) -> tuple[int, int, int]:
 
 
 def norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, gate: torch.Tensor | None = None,
-              activation: str = "silu", l2: bool = False) -> torch.Tensor:
+              activation: str = "silu", l2: bool = False, rope: tuple | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] (D <= MAX_WIDTH) -> y in x's dtype and shape: the RMS norm with `weight` [D], times act(gate)
-    (gate shaped like x) where given, or with l2=True the l2 norm (no weight)."""
+    (gate shaped like x) where given, or with l2=True the l2 norm (no weight). x [N, G, D] whose rows are strided
+    (a view of wider rows) is read in place. rope (cos, sin, rotary_dim), with the plain norm of x [N, G, D]: the
+    normed rows rotated (rotate-half over each head's first rotary_dim columns, cos / sin [N, >= rotary_dim / 2]
+    at each token's row; ops/reference/attention.py rope_into's roundings). out: y written there ([N, G, D]-shaped,
+    unit column stride) and returned; else a new contiguous tensor."""
     d = x.shape[-1]
     if d > MAX_WIDTH:
         raise ValueError(f"rows of {d} > {MAX_WIDTH} columns: fla's row kernels take these")
     if activation not in ("silu", "sigmoid"):
         raise ValueError(f"unknown activation {activation!r}")
-    xr = x.reshape(-1, d).contiguous()
-    y = torch.empty_like(xr)
-    t = xr.shape[0]
+    if rope is not None and (gate is not None or l2 or x.dim() != 3 or rope[2] % 2 or not 0 <= rope[2] <= d):
+        raise ValueError("rope is for the plain norm of x [N, G, D], over an even rotary_dim <= D")
+    xr, x_group, xs0, xs1 = _row_layout(x, d)
+    t = xr.shape[0] * x_group
+    if out is None:
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        if out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+            raise ValueError("out must be shaped as x, of its dtype, with unit column stride")
+        y = out
+    yv, y_group, ys0, ys1 = _row_layout(y, d)
+    if y.numel() and yv.data_ptr() != y.data_ptr():          # (a copy: the rows written would be lost)
+        raise ValueError("out's rows cannot be addressed in place")
     if t == 0:
-        return y.view(x.shape)
+        return y
     kind = 2 if l2 else 1 if gate is not None else 0
     g, g_group, g_stride = _grouped_rows(gate, d) if gate is not None else (xr, 1, d)
     w = weight.contiguous() if weight is not None else xr
+    cs, sn, r = (rope[0], rope[1], rope[2]) if rope is not None else (xr, xr, 0)
+    if r and (cs.stride(-1) != 1 or sn.stride() != cs.stride() or cs.shape[0] != x.shape[0]):
+        raise ValueError("cos and sin must be [N, >= rotary_dim / 2] with one row per token, unit column stride")
     bd, bt, warps = _config(d)
-    _norm_rows[(triton.cdiv(t, bt),)](xr, g, w, y, t, eps, g_group, g_stride, D=d, BD=bd, BT=bt, KIND=kind,
-                                      SILU=activation == "silu", num_warps=warps)
-    return y.view(x.shape)
+    _norm_rows[(triton.cdiv(t, bt),)](xr, g, w, yv, cs, sn, t, eps, x_group, xs0, xs1, g_group, g_stride, y_group,
+                                      ys0, ys1, cs.stride(0) if r else 0, D=d, BD=bd, BT=bt, KIND=kind,
+                                      SILU=activation == "silu", R=r, num_warps=warps)
+    return y
+
+
+def _row_layout(t: torch.Tensor, d: int) -> tuple[torch.Tensor, int, int, int]:
+    """t [..., d] as (tensor, G, s0, s1): row r of its rows [M * G, d] at (r // G) * s0 + (r % G) * s1, read or
+    written in place where t is [M, G, d] with unit column stride (any row strides), or can be viewed as rows of d
+    (G = 1); else a contiguous copy (G = 1)."""
+    if t.stride(-1) == 1:
+        if t.dim() == 3:
+            return t, t.shape[1], t.stride(0), t.stride(1)
+        try:
+            v = t.view(-1, d)
+        except RuntimeError:
+            v = None
+        if v is not None:
+            return v, 1, v.stride(0) if v.shape[0] > 1 else d, d
+    c = t.reshape(-1, d).contiguous()
+    return c, 1, d, d
 
 
 def _grouped_rows(t: torch.Tensor, d: int) -> tuple[torch.Tensor, int, int]:

@@ -173,6 +173,11 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     applies = [p for p in work.pieces if isinstance(p, Apply)]
     if not applies or not runs or any(r.summarize or r.mark or r.n > MAX_RUN for r in runs):
         return None
+    if conv_width > 1 and not isinstance(work.pieces[-1], Run):
+        # the conv window the request keeps is its last token's newest inputs (the conv kernel writes it from those:
+        # layers/linear.py): a request that ends in a cached segment (not a prompt: a query is always active) goes
+        # the planned way
+        return None
     n = work.end - work.start
     if work.start != 0 or n + 1 > MAX_TOKENS:
         return None

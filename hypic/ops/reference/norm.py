@@ -4,6 +4,8 @@ does, keeps that convention in its own module on the reference backend: layers/n
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -24,3 +26,30 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def gdn_gate(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """Gated DeltaNet's log decay per token and value head, fp32: -exp(A_log) * softplus(a + dt_bias)."""
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+
+
+def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's log decay (gdn_gate, fp32) and write strength sigmoid(b) (b's dtype) of one layer's tokens."""
+    return gdn_gate(a, a_log, dt_bias), torch.sigmoid(b)
+
+
+def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up as [N, H * D] (gate and up [N, D] or [N, H, D]), act "silu" (SwiGLU) or "sigmoid" (a gated
+    attention's output gate): PyTorch's two ops, each rounding to the inputs' dtype."""
+    act = F.silu(gate) if activation == "silu" else torch.sigmoid(gate)
+    return (act * up).reshape(gate.shape[0], math.prod(gate.shape[1:]))
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  rotary_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rms_norm of x [N, H, D], then rotate-half RoPE over each head's first rotary_dim dims (cos, sin [N, >=
+    rotary_dim / 2], their first halves read; ops/reference/attention.py rope_into's roundings), written into out
+    (shaped as x) where given, else a new tensor; returns it."""
+    from .attention import rope_into
+
+    y = rms_norm(x, weight, eps)
+    if out is None:
+        out = torch.empty_like(y, memory_format=torch.contiguous_format)
+    rope_into(y, cos, sin, out, rotary_dim)
+    return out
