@@ -813,8 +813,9 @@ def _pair_persistent_kernel(pairs, F, U, out, P, H: tl.constexpr, K: tl.constexp
 # The engine's tuner, H100 runs 112-116: "first" (32, 4) picked in 112 and 114 (126.3, 119.1 us), (64, 4, 32) in 115
 # and 116 (139.1, 131.9; "first" 151.1, 138.7): a tie
 # "persist3": "first"'s items by a fixed grid of programs, each walking its items in a pipelined loop (three stages;
-# `_pair_persistent_kernel`, thirty-seventh session: built offline for sm_90a and run in Triton's interpreter, not yet
-# timed on a GPU, so the tuner's timing decides)
+# `_pair_persistent_kernel`, thirty-seventh session). H100 runs 121-123, the tuner at the warm request's shape: (32, 4,
+# "persist3") 112.5-123.1 us a layer against 120.7-129.9 for (32, 4, "first"), picked in every run; in the graph pairs
+# 2.77 -> 2.45 ms (run 121). The (64, 8) persistent form is the slowest (165-177 us)
 PAIR_CONFIGS = ((128, 8, 32), (64, 4, 32), (32, 4, False), (64, 4, True),     # (each built and run in run 99)
                 (32, 4, "first"), (64, 8, "first"), (32, 4, "persist3"), (64, 8, "persist3"))
 PAIR_TUNED: dict = {}
