@@ -90,7 +90,8 @@ def kernel_build(fn, sig: dict, const: dict, warps: int, stages: int = 1, divisi
 
 
 def other_builds():
-    """The twenty-ninth session's kernels at the 35B warm request's shapes: [(kernel, configuration, build)]."""
+    """The compose pass's other kernels (since the twenty-ninth session) at the 35B warm request's shapes:
+    [(kernel, configuration, build)]."""
     from hypic.ops import triton_attention as ta, triton_moe as tm, triton_place as tp, triton_scan as ts
     from hypic.ops import triton_summary as tsum
 
@@ -165,6 +166,29 @@ def other_builds():
         rows.append(("chunk_summary", f"64 rows, factors and values, {nb} blocks a program, warps {w}",
                      kernel_build(tsum._chunk_summary_kernel, summ, dict(const, NB=nb), w,
                                   divisible={"s_q", "s_k", "s_v"})))
+    # the compose pass's small ops fused (38th session): the per-head norms (query and key with RoPE over 64 of 256
+    # columns; the gated output norm at 128), the conv with its raw rows in place and its window, the GDN gate with
+    # sigmoid(b), act(gate) * up (the attention's output gate: 16 heads of 256)
+    from hypic.ops import triton_conv as tc, triton_gates as tg, triton_norm as tn
+
+    norm = dict(x="*bf16", g="*bf16", w="*fp32", y="*bf16", cs="*bf16", sn="*bf16", T="i32", eps="fp32",
+                x_group="i32", xs0="i32", xs1="i32", g_group="i32", gs0="i32", gs1="i32", y_group="i32", ys0="i32",
+                ys1="i32", cs_stride="i32")
+    for kind, r, d in ((0, 64, 256), (0, 0, 256), (1, 0, 128), (2, 0, 128)):
+        bd, bt, w = tn._config(d)
+        rows.append(("norm_rows", f"kind {kind}, rope {r}, width {d}", kernel_build(
+            tn._norm_rows, norm, dict(D=d, BD=bd, BT=bt, KIND=kind, SILU=True, R=r), w)))
+    conv = dict(src="*bf16", raw="*bf16", idx="*i64", weight="*bf16", bias="*bf16", out="*bf16", win="*bf16",
+                last="*i64", C="i32", split="i32", raw_stride="i32")
+    for in_place in (False, True):
+        rows.append(("conv", "raw rows in place, window" if in_place else "from the buffer", kernel_build(
+            tc._conv_kernel, conv, dict(W=4, BW=4, BC=256, HAS_BIAS=False, SILU=True, RAW=in_place, WIN=in_place), 4)))
+    rows.append(("gate_beta", "32 value heads", kernel_build(
+        tg._gate_beta_kernel, dict(a="*bf16", b="*bf16", a_log="*fp32", dt_bias="*fp32", g="*fp32", beta="*bf16",
+                                   N="i32", sa="i32", sb="i32"), dict(H=32, BH=32, BN=64), 4)))
+    rows.append(("act_mul", "sigmoid, 16 heads of 256", kernel_build(
+        tg._act_mul_kernel, dict(gate="*bf16", up="*bf16", out="*bf16", N="i32", HD="i32", g0="i32", g1="i32",
+                                 u0="i32", u1="i32"), dict(D=256, BN=2, BD=1024, SILU=False), 4)))
     return rows
 
 

@@ -142,13 +142,9 @@ def rms_norm_rope(x, weight, eps, cos, sin, rotary_dim, out=None):
         y = _own_norm(x, weight, eps, cos, sin, rope=(cos, sin, rotary_dim), out=out)
         if y is not None:
             return y
-    y = rms_norm(x, weight, eps)
-    if out is None:
-        out = torch.empty_like(y, memory_format=torch.contiguous_format)
-    from .reference.attention import rope_into
+    from .reference.norm import rotated
 
-    rope_into(y, cos, sin, out, rotary_dim)
-    return out
+    return rotated(rms_norm(x, weight, eps), cos, sin, rotary_dim, out)
 
 
 def gdn_gate(a, a_log, dt_bias):

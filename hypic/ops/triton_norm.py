@@ -34,7 +34,7 @@ MAX_WIDTH = 512     # wider rows keep fla's kernels, whose tuning key has no row
 
 
 @triton.jit
-def _norm_rows(x, g, w, y, cs, sn, T, eps, x_group, xs0, xs1, g_group, g_stride, y_group, ys0, ys1, cs_stride,
+def _norm_rows(x, g, w, y, cs, sn, T, eps, x_group, xs0, xs1, g_group, gs0, gs1, y_group, ys0, ys1, cs_stride,
                D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, KIND: tl.constexpr, SILU: tl.constexpr,
                R: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
@@ -42,7 +42,7 @@ def _norm_rows(x, g, w, y, cs, sn, T, eps, x_group, xs0, xs1, g_group, g_stride,
     mc = cols < D
     m = (rows < T)[:, None] & mc[None, :]
     # row r of x is head r % x_group of token r // x_group (x [N, G, D] with strides xs0, xs1, 1: a view of a joined
-    # GEMM's columns, or of the summary's [o | u] rows, read in place); y likewise with its own strides
+    # GEMM's columns, or of the summary's [o | u] rows, read in place); the gate and y likewise with their own strides
     x_row = rows // x_group * xs0 + rows % x_group * xs1
     xv = tl.load(x + x_row[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     ss = tl.sum(xv * xv, 1)
@@ -53,8 +53,7 @@ def _norm_rows(x, g, w, y, cs, sn, T, eps, x_group, xs0, xs1, g_group, g_stride,
         yv = xv * inv[:, None]
         yv = yv * tl.load(w + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
         if KIND == 1:
-            # the gate's rows in groups of g_group contiguous rows, g_stride apart (a view of a joined GEMM's columns)
-            g_off = (rows // g_group * g_stride + rows % g_group * D)[:, None] + cols[None, :]
+            g_off = (rows // g_group * gs0 + rows % g_group * gs1)[:, None] + cols[None, :]
             gv = tl.load(g + g_off, mask=m, other=0.0).to(tl.float32)
             if SILU:
                 yv = yv * (gv * tl.sigmoid(gv))
@@ -119,13 +118,13 @@ def norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, gate:
     if t == 0:
         return y
     kind = 2 if l2 else 1 if gate is not None else 0
-    g, g_group, g_stride = _grouped_rows(gate, d) if gate is not None else (xr, 1, d)
+    g, g_group, gs0, gs1 = _row_layout(gate, d) if gate is not None else (xr, 1, d, d)
     w = weight.contiguous() if weight is not None else xr
     cs, sn, r = (rope[0], rope[1], rope[2]) if rope is not None else (xr, xr, 0)
     if r and (cs.stride(-1) != 1 or sn.stride() != cs.stride() or cs.shape[0] != x.shape[0]):
         raise ValueError("cos and sin must be [N, >= rotary_dim / 2] with one row per token, unit column stride")
     bd, bt, warps = _config(d)
-    _norm_rows[(triton.cdiv(t, bt),)](xr, g, w, yv, cs, sn, t, eps, x_group, xs0, xs1, g_group, g_stride, y_group,
+    _norm_rows[(triton.cdiv(t, bt),)](xr, g, w, yv, cs, sn, t, eps, x_group, xs0, xs1, g_group, gs0, gs1, y_group,
                                       ys0, ys1, cs.stride(0) if r else 0, D=d, BD=bd, BT=bt, KIND=kind,
                                       SILU=activation == "silu", R=r, num_warps=warps)
     return y
@@ -133,8 +132,8 @@ def norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, gate:
 
 def _row_layout(t: torch.Tensor, d: int) -> tuple[torch.Tensor, int, int, int]:
     """t [..., d] as (tensor, G, s0, s1): row r of its rows [M * G, d] at (r // G) * s0 + (r % G) * s1, read or
-    written in place where t is [M, G, d] with unit column stride (any row strides), or can be viewed as rows of d
-    (G = 1); else a contiguous copy (G = 1)."""
+    written in place where t is [M, G, d] with unit column stride (any row strides: e.g. a linear layer's gate, the
+    columns of a joined GEMM's output), or can be viewed as rows of d (G = 1); else a contiguous copy (G = 1)."""
     if t.stride(-1) == 1:
         if t.dim() == 3:
             return t, t.shape[1], t.stride(0), t.stride(1)
@@ -146,20 +145,6 @@ def _row_layout(t: torch.Tensor, d: int) -> tuple[torch.Tensor, int, int, int]:
             return v, 1, v.stride(0) if v.shape[0] > 1 else d, d
     c = t.reshape(-1, d).contiguous()
     return c, 1, d, d
-
-
-def _grouped_rows(t: torch.Tensor, d: int) -> tuple[torch.Tensor, int, int]:
-    """t [..., G, d] as (tensor, G, stride): its rows in groups of G contiguous rows of d, `stride` elements apart
-    (a linear layer's gate: columns of a joined GEMM's output, [N, H, d] with row stride > H * d), read in place;
-    a copy (G = 1, stride d) where t is not so laid out."""
-    if t.dim() >= 2 and t.stride(-1) == 1 and t.stride(-2) == d:
-        try:
-            lead = t.view(-1, t.shape[-2], d)
-        except RuntimeError:
-            lead = None
-        if lead is not None and (lead.shape[0] <= 1 or lead.stride(0) >= t.shape[-2] * d):
-            return lead, t.shape[-2], lead.stride(0) if lead.shape[0] > 1 else t.shape[-2] * d
-    return t.reshape(-1, d).contiguous(), 1, d
 
 
 __all__ = ["norm_rows", "MAX_WIDTH"]

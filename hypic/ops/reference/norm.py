@@ -46,9 +46,14 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     """rms_norm of x [N, H, D], then rotate-half RoPE over each head's first rotary_dim dims (cos, sin [N, >=
     rotary_dim / 2], their first halves read; ops/reference/attention.py rope_into's roundings), written into out
     (shaped as x) where given, else a new tensor; returns it."""
+    return rotated(rms_norm(x, weight, eps), cos, sin, rotary_dim, out)
+
+
+def rotated(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """rms_norm_rope's rotation of the normed heads y (rope_into), into out or a new contiguous tensor; returns it."""
     from .attention import rope_into
 
-    y = rms_norm(x, weight, eps)
     if out is None:
         out = torch.empty_like(y, memory_format=torch.contiguous_format)
     rope_into(y, cos, sin, out, rotary_dim)
