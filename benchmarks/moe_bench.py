@@ -61,6 +61,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tiny", action="store_true", help="a dry run on the CPU (TRITON_INTERPRET=1), tiny shapes")
+    ap.add_argument("--pads", type=int, default=0, help="also each token count with this many more rows, all one "
+                    "row's copies (as the compose pass's pad tokens, which route alike: they pile onto one top-k set)")
     args = ap.parse_args()
     global E, HD, INTER
     if args.tiny:
@@ -91,12 +93,21 @@ def main():
           f"{out['read_by_sum_TBps']:.2f} TB/s", flush=True)
 
     print(f"{'tokens':>6} {'kernel':>7} {'form':>7} {'config':>22} {'us':>8} {'TB/s':>6} {'rel':>8}", flush=True)
-    for n in [int(t) for t in args.tokens.split(",")]:
+    counts = [(int(t), 0) for t in args.tokens.split(",")]
+    if args.pads:
+        counts += [(n, args.pads) for n, _ in counts]
+    for n, pads in counts:
         x = (torch.randn(n, HD, device=dev, generator=g)).bfloat16()
+        if pads:
+            x = torch.cat([x, x[:1].expand(pads, HD)])
+            n += pads
         w, ex = fast.route(x, router, TOPK, True)
         flat = ex.reshape(-1)
         order, offs = fast._sort_by_expert(flat, E, True)
         used = int(flat.unique().numel())
+        most = int(torch.bincount(flat, minlength=E).max())
+        print(f"{n:>6} tokens ({pads} of them one row's copies): {used} experts in use, at most {most} rows an expert",
+              flush=True)
         runs = {desc: [triton_moe._Launch(x, w, ex, gu, dn, order, offs, desc=desc) for gu, dn in layers]
                 for desc in (False, True)}
         wbytes = {"gate_up": used * 2 * INTER * HD * 2, "down": used * HD * INTER * 2}
@@ -131,8 +142,9 @@ def main():
                     tbps = wbytes[kind] / ms / 1e9
                     print(f"{n:>6} {kind:>7} {form:>7} {str(cfg):>22} {ms * 1e3:8.1f} {tbps:6.2f} {err:8.1e}",
                           flush=True)
-                    out["rows"].append(dict(tokens=n, kernel=kind, form=form, config=cfg, us=ms * 1e3, TBps=tbps,
-                                            rel_vs_first=err, experts_used=used, weight_bytes=wbytes[kind]))
+                    out["rows"].append(dict(tokens=n, pads=pads, most_rows=most, kernel=kind, form=form, config=cfg,
+                                            us=ms * 1e3, TBps=tbps, rel_vs_first=err, experts_used=used,
+                                            weight_bytes=wbytes[kind]))
         best = {}
         for kind in ("gate_up", "down"):
             for form in ("ptr", "tma"):

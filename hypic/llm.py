@@ -101,9 +101,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        t0 = time.perf_counter()           # TTFT counts from here: the prompt's checks and tokenization are in it
         with span("llm.make_requests"):
             reqs = self.make_requests(prompts, sampling_params)
-        return self.engine.generate(reqs)
+        return self.engine.generate(reqs, t_start=t0)
 
     def next_token_logits(self, prompt: Prompt) -> torch.Tensor:
         """fp32 logits [vocab] after the last query token, under the current cache mode."""

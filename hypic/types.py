@@ -74,7 +74,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str                 # "stop" | "length"
-    ttft_s: float
+    ttft_s: float                      # prompt in (LLM.generate's call; the server: arrival) -> first token on the host
     prefix_tokens: int                 # reused from the exact prefix cache
     composed_tokens: int               # supplied by composed segment entries (never recomputed)
     recomputed_tokens: int             # forwarded through the model in this request's pass

@@ -344,8 +344,11 @@ class Engine:
             r.finish_reason = "length"
         return token
 
-    def generate(self, reqs: list[Request]) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+    def generate(self, reqs: list[Request], t_start: float | None = None) -> list[RequestOutput]:
+        """Prefill, sample and decode requests to the end; each one's TTFT counts from t_start (perf_counter seconds:
+        when the prompt came in, LLM.generate's call, so that its checks and tokenization count) to its first token on
+        the host (None: now)."""
+        t0 = time.perf_counter() if t_start is None else t_start
         for r in reqs:
             r.t_start = t0
         for group in _by_policy(reqs):
