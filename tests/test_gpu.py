@@ -1144,7 +1144,7 @@ rows = np.asarray([[t.data_ptr(), dst.data_ptr() + o * 32, t.numel() * 4] for t,
 copy_blocks(rows, "cpu")
 assert torch.equal(dst[0:3], srcs[0]) and torch.equal(dst[5:45], srcs[1]) and torch.equal(dst[49:], srcs[2])
 assert dst[3:5].abs().sum() == 0 and dst[45:49].abs().sum() == 0
-from hypic.ops import triton_moe                     # the routed experts for few rows per expert
+from hypic.ops import triton_moe, triton_route       # the routed experts for few rows per expert
 for n, k, ne, hd, inter in ((7, 3, 5, 64, 48), (40, 2, 4, 32, 16), (1, 2, 6, 48, 32)):   # (40, 2, 4): 20 rows > BM
     x = torch.randn(n, hd)
     wt, ex = torch.softmax(torch.randn(n, ne), -1).topk(k, -1)
@@ -1162,6 +1162,21 @@ for n, k, ne, hd, inter in ((7, 3, 5, 64, 48), (40, 2, 4, 32, 16), (1, 2, 6, 48,
                                                                  # GEMM's output, as the model passes it) and output
     y2 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, flat.argsort(stable=True), offs, shared=(sg, so))
     assert rel(y2, y0 + torch.sigmoid(sg.double()) * so.double()) < 1e-6, (n, k, ne)
+    if n > 1:                 # the last rows padding (compose_graph's pads): in no expert's rows, their routed sum zero
+        real = torch.tensor([n - 1 - n // 3])
+        r0 = int(real)
+        po, pf = triton_route.sort_by_expert(flat, ne, k, real=real)
+        y3 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, po, pf, shared=(sg, so), rows=real)
+        y4 = ref_moe(x.double(), wt.double(), ex, gu.double(), dn.double(), shared=(sg.double(), so.double()),
+                     rows=real)
+        assert rel(y3, y4) < 1e-6 and rel(y3[:r0], y2[:r0]) < 1e-6, (n, k, ne)
+        assert torch.equal(y4[r0:], torch.sigmoid(sg[r0:].double()) * so[r0:].double())      # the shared part alone
+ys = torch.randn(4 * 3, 16)                       # the combine reads no padding row: NaN there changes nothing
+ys[2 * 3:] = float("nan")
+sg, so = torch.randn(4, 1), torch.randn(4, 16)
+got = triton_moe.combine(ys, 3, (sg, so), rows=torch.tensor([2]))
+assert torch.allclose(got[:2], ys.view(4, 3, 16)[:2].sum(1) + torch.sigmoid(sg[:2]) * so[:2], atol=1e-6)
+assert torch.allclose(got[2:], torch.sigmoid(sg[2:]) * so[2:], atol=1e-6)
 from hypic.ops import triton_route                    # the MoE's routing and its sort by expert
 from hypic.ops.reference import route as ref_route
 for n, ne, k, norm in ((5, 16, 4, True), (33, 64, 8, False), (1, 256, 8, True)):
@@ -1175,6 +1190,20 @@ for nk, ne in ((0, 8), (8, 256), (37, 5), (1800, 256), (4096, 64)):
     order, offs = triton_route.sort_by_expert(flat, ne)
     assert torch.equal(order, flat.argsort(stable=True)), nk
     assert torch.equal(offs, torch.bincount(flat, minlength=ne).cumsum(0).to(torch.int32)), nk
+    for k in (1, 4):            # tokens of k choices from `real` on are padding: sorted last in their order, not counted
+        if nk % k or not nk:
+            continue
+        real = torch.tensor([max(0, nk // k - 3)])
+        nr = int(real) * k
+        for prefix in (True, False):                          # the ranks from histograms (default), by comparisons
+            triton_route.PREFIX_RANK = prefix
+            try:
+                order, offs = triton_route.sort_by_expert(flat, ne, k, real=real)
+            finally:
+                triton_route.PREFIX_RANK = True
+            assert torch.equal(order[:nr], flat[:nr].argsort(stable=True)), (nk, k, prefix)
+            assert torch.equal(order[nr:], torch.arange(nr, nk)), (nk, k, prefix)
+            assert torch.equal(offs, torch.bincount(flat[:nr], minlength=ne).cumsum(0).to(torch.int32)), (nk, k)
 from hypic.ops import triton_transition                # runs' transitions from their chunks' WY factors
 from hypic.ops.reference.gated_delta import _ut_system
 import math
@@ -1400,12 +1429,18 @@ want = [LLM("tiny-qwen3.5-moe", device="cpu", dtype="float32", compose="eager", 
 triton_moe.TMA_WEIGHTS = True
 made, _desc = [], triton_moe._desc
 triton_moe._desc = lambda *a: made.append(a[1:]) or _desc(*a)      # (the descriptors the kernels were given)
+# and the pass's pad tokens left out of the experts (compose_graph.PADS_ROUTED False): the sort is told where they start
+reals, _sort = [], triton_route.sort_by_expert
+triton_route.sort_by_expert = lambda *a, **kw: reals.append(kw.get("real")) or _sort(*a, **kw)
+fast._import_kernel.cache_clear()                                   # (the backend keeps the functions it found)
 llm = LLM("tiny-qwen3.5-moe", device="cpu", dtype="float32", compose="static", seed=0)
 for a, p in zip(want, ps):
     b = llm.generate([p], sp)[0]
     assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
 assert made and not fast.FAILED, fast.FAILED
-triton_moe.TMA_WEIGHTS, triton_moe._desc = False, _desc
+assert any(r is not None for r in reals), "the compose pass's pads went through the experts"
+triton_moe.TMA_WEIGHTS, triton_moe._desc, triton_route.sort_by_expert = False, _desc, _sort
+fast._import_kernel.cache_clear()
 # warm requests of one layout (equal segment lengths in new orders, no prefix: compose_graph.LAYOUTS) through the
 # address-table scan with the default low-rank pairs: the kept layout's shared step columns and the ids-only load
 lin.LOWRANK_PAIRS = True

@@ -84,7 +84,9 @@ class SparseMoe(nn.Module):
         (layers/joined.py pack_model): every GEMM of the layer's input but the routed experts' in one."""
         return [(self._shared_in, list(self._input_weights()))] if self._unbiased() else []
 
-    def forward(self, x):
+    def forward(self, x, rows=None):
+        """rows ([1] int tensor or None): the rows from it on are padding, which no routed expert takes
+        (ops/reference/moe.py `pad_weights`)."""
         se = self.shared_expert
         ws = self._input_weights()
         logits = None
@@ -99,7 +101,7 @@ class SparseMoe(nn.Module):
         weights, experts = self.ops.route(x, self.gate.weight, self.top_k, self.norm_topk, logits=logits)
         # y + sigmoid(gate) * out, added by the experts' combine (one kernel on the fast backend's few-rows path)
         return self.ops.experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
-                                        shared=shared)
+                                        shared=shared, rows=rows)
 
 
 class TopKMoe(nn.Module):

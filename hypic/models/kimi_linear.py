@@ -36,12 +36,13 @@ class KimiMoe(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, p.moe_intermediate_size * p.num_shared_experts, limit=limit)
 
-    def forward(self, x):
+    def forward(self, x, rows=None):
+        """rows: the rows from it on are padding, which no routed expert takes (layers/mlp.py SparseMoe)."""
         p = self.p
         w, e = self.ops.route_grouped_sigmoid(x, self.gate.weight, self.gate.e_score_correction_bias,
                                               p.num_experts_per_tok, p.n_group, p.topk_group, p.norm_topk_prob,
                                               p.routed_scaling_factor)
-        y = self.ops.experts_forward(x, w, e, self.experts.gate_up_proj, self.experts.down_proj, self.limit)
+        y = self.ops.experts_forward(x, w, e, self.experts.gate_up_proj, self.experts.down_proj, self.limit, rows=rows)
         return y + self.shared_experts(x)
 
 
@@ -56,7 +57,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         p = cfg.params
         self.self_attn = full(cfg, i, ops, rotary) if cfg.layer_types[i] == FULL else linear(cfg, i, ops)
-        self.mlp = KimiMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
+        self.moe = i in p.moe_layers
+        self.mlp = KimiMoe(cfg, ops) if self.moe else MLP(cfg.hidden_size, p.intermediate_size)
         self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -66,7 +68,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = batch.kept(h + self.self_attn(self.input_layernorm(h), batch))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, batch.padding_from(x)) if self.moe else self.mlp(x))
 
 
 class KimiLinearForCausalLM(CausalLM):

@@ -30,7 +30,8 @@ class DecoderLayer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(cfg, i, ops)
         p = cfg.params
-        self.mlp = SparseMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
+        self.moe = i in p.moe_layers
+        self.mlp = SparseMoe(cfg, ops) if self.moe else MLP(cfg.hidden_size, p.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -40,7 +41,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = batch.kept(h + self.state_mixer(self.input_layernorm(h), batch))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, batch.padding_from(x)) if self.moe else self.mlp(x))
 
 
 class HybridForCausalLM(CausalLM):

@@ -888,15 +888,17 @@ def route(x, router, top_k: int, norm_topk_prob: bool, logits=None):
     return ref.route(x, router, top_k, norm_topk_prob, logits=logits)
 
 
-def _sort_by_expert(flat, e: int, few: bool):
+def _sort_by_expert(flat, e: int, few: bool, real=None, top_k: int = 1):
     """(order: the n*k choices sorted by expert, stable; offs [E] int32 inclusive cumulative counts). On the
     few-rows path one Triton kernel (ops/triton_route.py, a counting sort by ranks) makes both; else a radix sort
-    and a scatter-add."""
+    and a scatter-add. real ([1] int tensor or None; the kernel only): the tokens from real on (top_k choices each)
+    are padding, their choices left out of every expert's rows (they sort last, in their order; offs does not count
+    them)."""
     if few and ROUTE_KERNELS and flat.numel() <= SORT_MAX:
         kern = triton_kernel("sort")
         if kern is not None:
             try:
-                return kern(flat, e)
+                return kern(flat, e, top_k, real=real)
             except Exception as err:
                 kernel_failed("sort", err)
     # a stable sort of the expert ids on the narrowest key that holds them: the radix sort's passes follow the
@@ -908,11 +910,13 @@ def _sort_by_expert(flat, e: int, few: bool):
     return order, offs
 
 
-def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None, shared=None):
+def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None, shared=None, rows=None):
     """Tokens sorted by expert; the Triton kernel for few rows per expert, else two grouped GEMMs; a
     deterministic combine (no atomics). `limit` (clamped SwiGLU inputs): the grouped GEMMs with the clamps between
     them (the Triton kernel does not clamp). shared: (gate, out) of a shared expert, added as sigmoid(gate) * out (in
-    the few-rows kernel's combine, in fp32 with the routed rows, rounded once)."""
+    the few-rows kernel's combine, in fp32 with the routed rows, rounded once). rows: the rows from it on are padding
+    (ops/reference/moe.py `pad_weights`): on the few-rows path their choices join no expert's rows and the combine
+    adds no routed row for them; elsewhere their weights are zero."""
     n, k = experts.shape
     e = gate_up.shape[0]
     few = (MOE_FEW_ROWS and limit is None and n * k <= FEW_ROWS_PER_EXPERT * e and triton_here(x)
@@ -922,18 +926,20 @@ def experts_forward(x, weights, experts, gate_up, down, limit: float | None = No
     # capture failed on it (H200 run 77), so an fp32 decode step must stay on the kernel
     other = x.dtype == torch.float64 or (x.is_cuda and x.dtype != torch.bfloat16) or not _grouped_dims(gate_up, down)
     if other and not few:
-        return ref.experts_forward(x, weights, experts, gate_up, down, limit, shared)
+        return ref.experts_forward(x, weights, experts, gate_up, down, limit, shared, rows)
     flat = experts.reshape(-1)
-    order, offs = _sort_by_expert(flat, e, few)
     if few:
         kern = triton_kernel("moe", x)
         if kern is not None:
+            order, offs = _sort_by_expert(flat, e, few, real=rows, top_k=k)
             try:
-                return kern(x, weights, experts, gate_up, down, order, offs, shared=shared)
+                return kern(x, weights, experts, gate_up, down, order, offs, shared=shared, rows=rows)
             except Exception as err:
                 kernel_failed("moe", err)
     if other:
-        return ref.experts_forward(x, weights, experts, gate_up, down, limit, shared)
+        return ref.experts_forward(x, weights, experts, gate_up, down, limit, shared, rows)
+    weights = ref.pad_weights(weights, rows)
+    order, offs = _sort_by_expert(flat, e, False)
     xs = x[order // k]
     gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     ys = torch._grouped_mm(ref.clamped_swiglu(gate, up, limit), down.transpose(1, 2), offs=offs)     # [n*k, H]

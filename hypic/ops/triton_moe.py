@@ -151,25 +151,30 @@ def _down_kernel(h, order, offs, wts, w, ys, s_h, s_we, s_wn, s_y, H: tl.constex
 
 
 @triton.jit
-def _combine_kernel(ys, sg, so, out, s_so, s_sg, H: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                    BH: tl.constexpr):
+def _combine_kernel(ys, sg, so, out, s_so, s_sg, real, H: tl.constexpr, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                    BH: tl.constexpr, REAL: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     m = cols < H
+    if REAL:                    # a padding token's rows were never written (no expert took its choices): none read
+        mr = m & (t < tl.load(real))
+    else:
+        mr = m
     row = ys + (t * TOPK).to(tl.int64) * H + cols
     acc = tl.zeros([BH], tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(row + j * H, mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(row + j * H, mask=mr, other=0.0).to(tl.float32)
     if SHARED:
         g = tl.load(sg + t.to(tl.int64) * s_sg).to(tl.float32)
         acc += tl.sigmoid(g) * tl.load(so + t.to(tl.int64) * s_so + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(out + t.to(tl.int64) * H + cols, acc.to(out.dtype.element_ty), mask=m)
 
 
-def combine(ys: torch.Tensor, k: int, shared=None) -> torch.Tensor:
+def combine(ys: torch.Tensor, k: int, shared=None, rows=None) -> torch.Tensor:
     """ys [n * k, H] (token t's k rows at t * k .. t * k + k - 1, each already times its routing weight) -> [n, H] in
     ys' dtype: each token's k rows summed in fp32, plus sigmoid(gate) * out of a shared expert (shared: (gate [n, 1],
-    out [n, H]) or None), rounded once."""
+    out [n, H]) or None), rounded once. rows ([1] int tensor or None): tokens from rows[0] on are padding: no routed
+    row of theirs is read (their sum is the shared part alone)."""
     nk, hd = ys.shape
     n = nk // k
     ys = ys.contiguous()
@@ -183,8 +188,9 @@ def combine(ys: torch.Tensor, k: int, shared=None) -> torch.Tensor:
         args = (ys, ys, 0, 0)
     bh = min(1024, triton.next_power_of_2(hd))
     if n:
-        _combine_kernel[(n, triton.cdiv(hd, bh))](ys, args[0], args[1], out, args[2], args[3], H=hd, TOPK=k,
-                                                 SHARED=shared is not None, BH=bh, num_warps=4)
+        _combine_kernel[(n, triton.cdiv(hd, bh))](ys, args[0], args[1], out, args[2], args[3],
+                                                 ys if rows is None else rows, H=hd, TOPK=k,
+                                                 SHARED=shared is not None, BH=bh, REAL=rows is not None, num_warps=4)
     return out
 
 
@@ -274,7 +280,7 @@ class _Launch:
 
 
 def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: bool = True, configs=None,
-                     shared=None, desc: bool | None = None):
+                     shared=None, desc: bool | None = None, rows=None):
     """The routed experts' sum for token rows already sorted by expert (fast.experts_forward's layout).
 
     x [n, H]; weights [n, k] (routing weights); experts [n, k]; gate_up [E, 2I, H] (gate rows first);
@@ -283,7 +289,9 @@ def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: b
     y_t = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = experts[t, j].
     configs: (gate_up config, down config) to use instead of the tuned ones (tests, benchmarks).
     shared: (gate [n, 1], out [n, H]) of a shared expert, added as sigmoid(gate) * out (`combine`).
-    desc: the weights read by tensor descriptors (None: the module's TMA_WEIGHTS, where `_descriptors_apply`)."""
+    desc: the weights read by tensor descriptors (None: the module's TMA_WEIGHTS, where `_descriptors_apply`).
+    rows ([1] int tensor or None): the tokens from rows[0] on are padding, their choices in no expert's rows (order and
+    offs made so: triton_route.sort_by_expert's `real`); their routed sum is zero (`combine`)."""
     run = _Launch(x, weights, experts, gate_up, down, order, offs, desc)
     if configs is not None:
         cu, cd = configs
@@ -298,5 +306,8 @@ def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: b
     # each token's k rows summed in fp32 (and the shared expert's output added), rounded once
     n, k, hd = run.n, run.k, run.hd
     if COMBINE_KERNEL:
-        return combine(run.ys, k, shared)
-    return with_shared(run.ys.view(n, k, hd).sum(1, dtype=torch.float32).to(x.dtype), shared)
+        return combine(run.ys, k, shared, rows)
+    ys = run.ys.view(n, k, hd)
+    if rows is not None:                          # (padding's rows unwritten: any bits, so replaced, not scaled)
+        ys = torch.where((torch.arange(n, device=ys.device) < rows)[:, None, None], ys, 0.0)
+    return with_shared(ys.sum(1, dtype=torch.float32).to(x.dtype), shared)

@@ -62,18 +62,30 @@ def _route_kernel(logits, weights, experts, s_l, E: tl.constexpr, BE: tl.constex
 
 
 @triton.jit
-def _rank_kernel(experts, order, offs, NK, E: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BN: tl.constexpr,
-                 BE: tl.constexpr):
+def _real_choices(real, NK, K: tl.constexpr, REAL: tl.constexpr):
+    """The number of choices that are real tokens': REAL, real[0] rows of K choices each (the rest padding's), else
+    all NK."""
+    if REAL:
+        nr = tl.minimum(tl.load(real).to(tl.int32) * K, NK)
+    else:
+        nr = NK
+    return nr
+
+
+@triton.jit
+def _rank_kernel(experts, order, offs, NK, real, E: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr,
+                 BN: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, REAL: tl.constexpr):
     p = tl.program_id(0)
+    nr = _real_choices(real, NK, K, REAL)
     if p * BI < NK:                               # a block of choices: each one's rank among all keys (e, index)
         ri = p * BI + tl.arange(0, BI)
         mi = ri < NK
-        ei = tl.load(experts + ri, mask=mi, other=0).to(tl.int32)
+        ei = tl.load(experts + ri, mask=mi & (ri < nr), other=E).to(tl.int32)   # padding's: id E, after every expert
         rank = tl.zeros([BI], dtype=tl.int32)
         j0 = 0
         while j0 < NK:                            # (a while loop: Triton's interpreter cannot range over NK)
             rj = j0 + tl.arange(0, BJ)
-            ej = tl.load(experts + rj, mask=rj < NK, other=E).to(tl.int32)     # padding: id E, above every choice
+            ej = tl.load(experts + rj, mask=rj < nr, other=E).to(tl.int32)     # padding: id E, above every choice
             below = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (rj[None, :] < ri[:, None]))
             rank += tl.sum(below.to(tl.int32), 1)
             j0 += BJ
@@ -83,7 +95,7 @@ def _rank_kernel(experts, order, offs, NK, E: tl.constexpr, BI: tl.constexpr, BJ
         n0 = 0
         while n0 < NK:
             r = n0 + tl.arange(0, BN)
-            m = r < NK
+            m = r < nr
             e = tl.load(experts + r, mask=m, other=0).to(tl.int32)
             counts += tl.histogram(e, BE, mask=m).to(tl.int32)
             n0 += BN
@@ -91,20 +103,23 @@ def _rank_kernel(experts, order, offs, NK, E: tl.constexpr, BI: tl.constexpr, BJ
 
 
 @triton.jit
-def _prefix_rank_kernel(experts, order, offs, NK, E: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr,
-                        BE: tl.constexpr):
+def _prefix_rank_kernel(experts, order, offs, NK, real, E: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr,
+                        BE: tl.constexpr, K: tl.constexpr, REAL: tl.constexpr):
     """The same ranks from histograms: program p (choices i0 .. i0 + BI - 1) counts every expert over all choices
     and over those before i0, so choice i's rank is (choices of a lower expert) + (same expert, before the block)
-    + (same expert, earlier in the block, by a [BI x BI] comparison); program 0 also writes the cumulative counts."""
+    + (same expert, earlier in the block, by a [BI x BI] comparison); program 0 also writes the cumulative counts.
+    Padding's choices (REAL: the last ones, from nr on) are counted nowhere and keep their own index as their rank:
+    every real choice ranks below nr, so together they are a permutation."""
     p = tl.program_id(0)
     i0 = p * BI
+    nr = _real_choices(real, NK, K, REAL)
     bins = tl.arange(0, BE)
     total = tl.zeros([BE], dtype=tl.int32)
     before = tl.zeros([BE], dtype=tl.int32)
     n0 = 0
     while n0 < NK:                                # (a while loop: Triton's interpreter cannot range over NK)
         r = n0 + tl.arange(0, BN)
-        m = r < NK
+        m = r < nr
         e = tl.load(experts + r, mask=m, other=0).to(tl.int32)
         total += tl.histogram(e, BE, mask=m).to(tl.int32)
         before += tl.histogram(e, BE, mask=m & (r < i0)).to(tl.int32)
@@ -114,8 +129,10 @@ def _prefix_rank_kernel(experts, order, offs, NK, E: tl.constexpr, BI: tl.conste
     ri = i0 + tl.arange(0, BI)
     mi = ri < NK
     ei = tl.load(experts + ri, mask=mi, other=0).to(tl.int32)
+    # (a real choice's earlier choices in the block are all real: padding's come after every real one)
     within = tl.sum(((ei[None, :] == ei[:, None]) & (ri[None, :] < ri[:, None])).to(tl.int32), 1)
     rank = tl.sum(tl.where(bins[None, :] == ei[:, None], base[None, :], 0), 1) + within
+    rank = tl.where(ri < nr, rank, ri)
     tl.store(order + rank, ri.to(tl.int64), mask=mi)
     if p == 0:
         tl.store(offs + bins, upto, mask=bins < E)
@@ -135,9 +152,11 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
     return weights, experts
 
 
-def sort_by_expert(flat: torch.Tensor, num_experts: int):
+def sort_by_expert(flat: torch.Tensor, num_experts: int, top_k: int = 1, real: torch.Tensor | None = None):
     """flat [n*k] expert ids (int, n*k <= SORT_MAX) -> (order [n*k] int64: choices sorted by expert, stable;
-    offs [E] int32: inclusive cumulative counts)."""
+    offs [E] int32: inclusive cumulative counts). real ([1] int tensor on flat's device, or None): the tokens from
+    real[0] on (top_k choices each) are padding: their choices sort last in their own order, and offs leaves them out,
+    so no expert's rows hold them."""
     nk = flat.numel()
     if nk > SORT_MAX:
         raise ValueError(f"{nk} choices exceed the rank sort's {SORT_MAX}")
@@ -149,10 +168,12 @@ def sort_by_expert(flat: torch.Tensor, num_experts: int):
     elif PREFIX_RANK:
         bi = 64
         # (8 warps: the block's [BI x BE] expert match is 64 values a thread)
-        _prefix_rank_kernel[(triton.cdiv(nk, bi),)](flat.contiguous(), order, offs, nk, E=num_experts, BI=bi, BN=1024,
-                                                   BE=be, num_warps=8)
+        _prefix_rank_kernel[(triton.cdiv(nk, bi),)](flat.contiguous(), order, offs, nk, flat if real is None else real,
+                                                   E=num_experts, BI=bi, BN=1024, BE=be, K=top_k,
+                                                   REAL=real is not None, num_warps=8)
     else:
         bi, bj = 64, 256
-        _rank_kernel[(triton.cdiv(nk, bi) + 1,)](flat.contiguous(), order, offs, nk, E=num_experts, BI=bi, BJ=bj,
-                                                 BN=1024, BE=be, num_warps=4)
+        _rank_kernel[(triton.cdiv(nk, bi) + 1,)](flat.contiguous(), order, offs, nk, flat if real is None else real,
+                                                 E=num_experts, BI=bi, BJ=bj, BN=1024, BE=be, K=top_k,
+                                                 REAL=real is not None, num_warps=4)
     return order, offs

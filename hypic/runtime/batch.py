@@ -70,10 +70,19 @@ class ForwardBatch:
     # (CausalLM.run_layers): a mixer may then compute its output for these rows only (others zero), and a layer
     # drops the other rows (`kept`) once its stateful mixers have run, so its MLP runs on these rows alone
     keep: torch.Tensor | None = None
+    # [1] int64 on the device: the rows from it on are padding (the compose graph's pad tokens, which only keep the
+    # fixed buffers' shapes); None: every row is a token. A MoE leaves padding rows out of its experts (`padding_from`)
+    real_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def padding_from(self, h: torch.Tensor) -> torch.Tensor | None:
+        """`real_rows` where h holds every row of the batch (not the last layer's kept rows), else None."""
+        if self.real_rows is None or h.shape[0] != self.input_ids.shape[0]:
+            return None
+        return self.real_rows
 
     def kept(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, ...] cut to the rows `keep` names (in its order); h itself where nothing is cut (or already was)."""

@@ -59,6 +59,11 @@ log = logging.getLogger("hypic.compose")
 MAX_RUN = 256           # longest run the lowering takes (longer: the planned walk's chunked kernel)
 SUB_RUN = 16            # the pieces a run is cut into (one map more in the chain per piece)
 PAD_RUN = 16            # the pad tokens' runs (their length only has to stay within the longest real run's chunk)
+# the pad tokens through the MoE's routed experts like tokens (before the thirty-ninth session; gpu_bench's variant
+# `pads_routed`). False: the batch names its real rows (ForwardBatch.real_rows) and the experts leave the pads out.
+# Pads are one token id at one position and route alike: the 35B request's 32 pads can pile onto one top-k set of
+# experts, and an expert with more than the kernel's BM rows streams its weights once per BM rows
+PADS_ROUTED = False
 MAX_TOKENS = 2048       # most active tokens
 _NEVER = 1 << 62        # the mask position of a key no query may see
 # lowered layouts kept for requests of the same layout (`layout_key`: segment lengths, positions, cut): such a request
@@ -295,7 +300,8 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     pairs = pair_runs(np.asarray(order, dtype=np.int64), main, e)
     paired = int((~pairs[0]).sum())
     chained = len(pads)                               # the second chain: the pad runs (none with a tail)
-    tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), cu=t(cu),
+    tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), real=torch.tensor([n]),
+                  cu=t(cu),
                   cu_maps=torch.tensor([0, main, main + chained], dtype=torch.int32),
                   cu_pairs=torch.tensor([0, main - paired, main + chained - paired], dtype=torch.int32),
                   order=torch.tensor(order, dtype=torch.int32),
@@ -396,7 +402,7 @@ class ComposeBuffers:
         self.device = device = torch.device(device)
         np_, r, e = shape.tokens, shape.runs, shape.entries
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
-        self.ids, self.positions, self.logits_index = z(np_), z(np_), z(1)
+        self.ids, self.positions, self.logits_index, self.real = z(np_), z(np_), z(1), z(1)
         self.cu, self.run_of, self.pos_in_run = z(r + 1), z(np_), z(np_)
         self.cu_maps, self.cu_pairs, self.order = z(3, dt=torch.int32), z(3, dt=torch.int32), z(e + r, dt=torch.int32)
         nkeys = shape.held + shape.keys + np_
@@ -416,8 +422,8 @@ class ComposeBuffers:
         # CUDA: one asynchronous copy instead of ~13 staged ones from pageable memory)
         cuda = device.type == "cuda"
         self._groups, self._slots = [], {}       # (device, host, host as numpy) per dtype; table -> (group, a, b)
-        for dt, names in ((torch.long, ["ids", "positions", "logits_index", "cu", "run_of", "pos_in_run", "kpos",
-                                        "kperm", "qlast"]
+        for dt, names in ((torch.long, ["ids", "positions", "logits_index", "real", "cu", "run_of", "pos_in_run",
+                                        "kpos", "kperm", "qlast"]
                           + (["conv_idx", "window"] if self.conv_idx is not None else [])),
                           (torch.int32, ["cu_maps", "cu_pairs", "order"])):
             sizes = [getattr(self, nm).numel() for nm in names]
@@ -448,7 +454,8 @@ class ComposeBuffers:
         self.scratch: dict = {}          # what the fills of one request derive alike (RoPE tables of the cached keys)
 
     def batch(self) -> ForwardBatch:
-        return ForwardBatch(self.ids, self.positions, [], self.logits_index, captured=self)
+        return ForwardBatch(self.ids, self.positions, [], self.logits_index, captured=self,
+                            real_rows=None if PADS_ROUTED else self.real)
 
     def active_slots(self) -> torch.Tensor:
         """aslot [Np]: the place in position order of each active (and pad) token's key, the inverse of kperm on

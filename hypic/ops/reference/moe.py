@@ -31,10 +31,11 @@ def clamped_swiglu(gate, up, limit: float | None):
     return F.silu(gate) * up
 
 
-def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None, shared=None):
+def experts_forward(x, weights, experts, gate_up, down, limit: float | None = None, shared=None, rows=None):
     """sum_k weights[:, k] * down_e(silu(gate_e x) * up_e x), looping over the experts in use; `limit`: the SwiGLU's
     inputs clamped (clamped_swiglu); shared: (gate [N, 1], out [N, H]) of a shared expert, sigmoid(gate) * out added
-    (`with_shared`)."""
+    (`with_shared`). rows: padding (`pad_weights`)."""
+    weights = pad_weights(weights, rows)
     out = torch.zeros_like(x)
     for e in experts.unique().tolist():
         tok, slot = torch.where(experts == e)
@@ -42,6 +43,17 @@ def experts_forward(x, weights, experts, gate_up, down, limit: float | None = No
         y = F.linear(clamped_swiglu(gate, up, limit), down[e]) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return with_shared(out, shared)
+
+
+def pad_weights(weights, rows):
+    """rows ([1] int tensor on the weights' device, or None): rows from `rows` on are padding (the compose pass's pad
+    tokens, runtime/compose_graph.py): they take no routed expert, their routed sum is zero (a shared expert's part
+    stays). Here by zero weights (the fast backend leaves their choices out of every expert's rows instead: pads, which
+    all route alike, had piled onto one top-k set of experts)."""
+    if rows is None:
+        return weights
+    live = torch.arange(weights.shape[0], device=weights.device) < rows
+    return weights * live.to(weights.dtype)[:, None]
 
 
 def with_shared(y, shared):
