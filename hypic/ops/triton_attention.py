@@ -205,6 +205,11 @@ FULL_FAST = True
 FUSED_FOLD = True
 BALANCE = True
 VSPLIT = 1
+# the key splits' rule: about this many programs per SM (at most one resident at a time: 197 KB of shared memory at
+# the default launch). attention_bench at the warm request's shape: 16 splits (~4 programs per SM) -5% against the
+# rule's 9 (~2) on the H200 (run 56: 540.8 against 568.9 us) and on the H100 (run 124: 353.9 against 373.5); 8 and 32
+# slower. gpu_bench's variant `attention_splits_4` times it in the request
+PROGRAMS_PER_SM = 2
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
@@ -236,8 +241,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     nrows = nq * rep
     mblocks = triton.cdiv(nrows, block_m)
-    if splits is None:                 # about two programs per SM, each walking at least four key blocks
-        splits = max(1, min(triton.cdiv(2 * _sm_count(q.device), mblocks * hkv * vsplit),
+    if splits is None:                 # about PROGRAMS_PER_SM programs per SM, each walking at least four key blocks
+        splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * _sm_count(q.device), mblocks * hkv * vsplit),
                             triton.cdiv(nk, 4 * block_n)))
     per = triton.cdiv(triton.cdiv(nk, splits), block_n) * block_n
     if not balance:                    # (balanced, each program cuts its row block's prefix in `splits` itself)
