@@ -470,7 +470,9 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                 # the 38th session), not read in place by the conv kernel
                 ("conv_copied", flag(_linear, "CONV_IN_PLACE", False), {}),
                 # the pad tokens through the MoE's routed experts like tokens (before the 39th session), not left out
-                ("pads_routed", flag(_cg, "PADS_ROUTED", True), {})]
+                ("pads_routed", flag(_cg, "PADS_ROUTED", True), {}),
+                # a layer's residual add and the norm after it as two launches (before the 39th session)
+                ("add_norm_apart", flag(_fast, "FUSED_ADD_NORM", False), {})]
     if _tr is not None:
         variants += [("sort_by_comparisons", flag(_tr, "PREFIX_RANK", False), {})]      # before run 77
     try:

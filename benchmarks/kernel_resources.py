@@ -178,6 +178,10 @@ def other_builds():
         bd, bt, w = tn._config(d)
         rows.append(("norm_rows", f"kind {kind}, rope {r}, width {d}", kernel_build(
             tn._norm_rows, norm, dict(D=d, BD=bd, BT=bt, KIND=kind, SILU=True, R=r), w)))
+    bd, bt, w = tn._config(2048)              # the residual add with the norm (39th session): the 35B's hidden size
+    rows.append(("add_norm_rows", "width 2048", kernel_build(
+        tn._add_norm_rows, dict(x="*bf16", r="*bf16", w="*fp32", s="*bf16", y="*bf16", T="i32", eps="fp32"),
+        dict(D=2048, BD=bd, BT=bt), w)))
     conv = dict(src="*bf16", raw="*bf16", idx="*i64", weight="*bf16", bias="*bf16", out="*bf16", win="*bf16",
                 last="*i64", C="i32", split="i32", raw_stride="i32")
     for in_place in (False, True):

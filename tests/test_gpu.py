@@ -1872,6 +1872,82 @@ print("ok")
     _run_in_interpreter(code)
 
 
+@needs_triton
+def test_triton_add_norm_in_interpreter():
+    """ops/triton_norm.py add_norm_rows (a layer's residual add with the norm after it) in Triton's interpreter: in fp32
+    the sum bit for bit the PyTorch add's and the norm against the reference op in fp64 (1e-6: fp32 sums of squares);
+    in bf16 (the interpreter's casts truncate where the GPU's round to nearest: test_add_norm_matches_reference_on_cuda
+    checks the roundings) the sum within one bf16 step of PyTorch's and the norm of the kernel's own rounded sum within
+    a bf16 rounding; rows of 2,048 (the 35B's hidden size) and of an odd width. And the fast backend routes
+    `add_rms_norm` to the kernel, and to the add and rms_norm when FUSED_ADD_NORM is off."""
+    code = """
+import torch
+from hypic.ops import fast
+from hypic.ops.triton_norm import add_norm_rows
+from hypic.ops.reference import add_rms_norm, rms_norm
+def rel(x, y):
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm())
+g = torch.Generator().manual_seed(0)
+for n, d in ((5, 2048), (9, 200)):
+    w = 1 + 0.1 * torch.randn(d, generator=g)
+    for dt in (torch.float32, torch.bfloat16):
+        x, r = (torch.randn(n, d, generator=g) * 3).to(dt), torch.randn(n, d, generator=g).to(dt)
+        s, y = add_norm_rows(x, r, w, 1e-6)
+        assert s.dtype == y.dtype == dt and s.shape == y.shape == x.shape
+        if dt == torch.float32:
+            assert torch.equal(s, x + r), (n, d)
+            s0, y0 = add_rms_norm(x.double(), r.double(), w.double(), 1e-6)
+            assert rel(y, y0) < 1e-6, (n, d)
+        else:
+            want = (x + r).float()
+            assert bool(((s.float() - want).abs() <= want.abs() * 2 ** -7).all()), (n, d)
+            assert rel(y, rms_norm(s.double(), w.double(), 1e-6)) < 8e-3, (n, d)
+fast.INTERPRETED = True
+w = torch.randn(64, generator=g)
+x, r = torch.randn(3, 7, 64, generator=g), torch.randn(3, 7, 64, generator=g)
+calls = []
+kern = fast.triton_kernel("add_norm")
+fast._import_kernel.cache_clear()
+import hypic.ops.triton_norm as tn
+tn.add_norm_rows = lambda *a: calls.append(1) or kern(*a)
+s, y = fast.add_rms_norm(x, r, w, 1e-6)
+assert calls == [1] and s.shape == x.shape and torch.equal(s, x + r) and rel(y, rms_norm(x + r, w, 1e-6)) < 1e-6
+fast.FUSED_ADD_NORM = False
+s, y = fast.add_rms_norm(x, r, w, 1e-6)
+assert calls == [1] and torch.equal(s, x + r)
+tn.add_norm_rows = kern
+fast._import_kernel.cache_clear()
+fast.FUSED_ADD_NORM, fast.INTERPRETED = True, False
+try:
+    add_norm_rows(x, r[..., :32], w, 1e-6)
+    raise AssertionError("mismatched shapes must be refused")
+except ValueError:
+    pass
+print("ok")
+"""
+    _run_in_interpreter(code)
+
+
+@cuda
+def test_add_norm_matches_reference_on_cuda():
+    """The residual add with its norm in one kernel (ops/triton_norm.py add_norm_rows), bf16 on the GPU: the sum bit for
+    bit PyTorch's add (one round-to-nearest of the fp32 sum), the norm within one bf16 ulp of the reference op on that
+    sum (only the reduction's order differs), at the 35B's hidden size and the full prefill's row count scale."""
+    from hypic.ops import fast
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for n, d in ((1, 2048), (256, 2048), (4099, 2048), (7, 200)):
+        x = (torch.randn(n, d, device="cuda", generator=g) * 4).bfloat16()
+        r = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+        w = 1 + 0.1 * torch.randn(d, device="cuda", generator=g)
+        s, y = fast.add_rms_norm(x, r, w, 1e-6)
+        assert "add_norm" not in fast.FAILED and torch.equal(s, x + r), (n, d)
+        want = ref.rms_norm(x + r, w, 1e-6).float()
+        spacing = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30)))) * 2.0 ** -7
+        assert float(((y.float() - want).abs() / spacing).max()) <= 1, (n, d)
+
+
 @cuda
 def test_gates_match_unfused_ops_on_cuda():
     """The fused gates on the GPU in bf16 against the ops they replace: act(gate) * up within one bf16 rounding of

@@ -55,6 +55,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ops(self.ops, x).rms_norm(x, self.scale(), self.eps)
 
+    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, forward(x + r)): a residual add and this norm of its rounded sum, one kernel on the fast backend."""
+        return _ops(self.ops, x).add_rms_norm(x, r, self.scale(), self.eps)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
              out: torch.Tensor | None = None) -> torch.Tensor:
         """forward(x) of x [N, H, D] rotated by RoPE (rotate-half over each head's first rotary_dim dims; cos, sin

@@ -40,8 +40,8 @@ class DecoderLayer(nn.Module):
         return self.self_attn if self.is_attention else self.linear_attn
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = batch.kept(h + self.state_mixer(self.input_layernorm(h), batch))
-        x = self.post_attention_layernorm(h)
+        m = self.state_mixer(self.input_layernorm(h), batch)
+        h, x = self.post_attention_layernorm.add(batch.kept(h), batch.kept(m))      # the residual add with the norm
         return h + (self.mlp(x, batch.padding_from(x)) if self.moe else self.mlp(x))
 
 

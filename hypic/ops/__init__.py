@@ -42,6 +42,7 @@ class Backend:
     rms_norm: Callable
     rms_norm_gated: Callable
     rms_norm_rope: Callable
+    add_rms_norm: Callable
     gdn_gate: Callable
     gdn_gate_beta: Callable
     act_mul: Callable
@@ -66,7 +67,7 @@ def get_backend(name: str) -> Backend:
             m.recurrent_gla, m.chunk_simple_gla, m.recurrent_simple_gla, m.causal_conv1d, m.causal_conv1d_varlen,
             m.position_attention, m.decode_attention, m.order_keys, m.route, m.route_grouped_sigmoid, m.experts_forward,
             m.experts_forward_plain, m.recurrent_gated_delta_summary, m.chunk_gated_delta_transition, m.chunk_gated_delta_isolated,
-            m.rms_norm, m.rms_norm_gated, m.rms_norm_rope, m.gdn_gate, m.gdn_gate_beta, m.act_mul, m.chunk_diagonal_scan, m.recurrent_diagonal_scan,
+            m.rms_norm, m.rms_norm_gated, m.rms_norm_rope, m.add_rms_norm, m.gdn_gate, m.gdn_gate_beta, m.act_mul, m.chunk_diagonal_scan, m.recurrent_diagonal_scan,
             m.gated_delta_tail,
         )
     return _LOADED[name]

@@ -147,6 +147,24 @@ def rms_norm_rope(x, weight, eps, cos, sin, rotary_dim, out=None):
     return rotated(rms_norm(x, weight, eps), cos, sin, rotary_dim, out)
 
 
+def add_rms_norm(x, r, weight, eps):
+    """The reference signature (a residual sum and its norm) in one kernel (ops/triton_norm.py add_norm_rows) where
+    FUSED_ADD_NORM; else the add, then rms_norm."""
+    if FUSED_ADD_NORM and FUSED_NORMS and x.shape == r.shape and x.dtype == r.dtype and triton_here(x):
+        kern = triton_kernel("add_norm", x, r, weight)
+        if kern is not None and x.shape[-1] <= _ADD_MAX_WIDTH:
+            try:
+                return kern(x, r, weight, eps)
+            except Exception as err:
+                kernel_failed("add_norm", err)
+    s = x + r
+    return s, rms_norm(s, weight, eps)
+
+
+FUSED_ADD_NORM = True    # False: a layer's residual add, then its norm, as two launches (before the 39th session)
+_ADD_MAX_WIDTH = 8192    # (triton_norm.ADD_MAX_WIDTH, without importing triton here)
+
+
 def gdn_gate(a, a_log, dt_bias):
     """The reference signature in one fla kernel (fp32 out)."""
     k = _norm_kernels(a, a_log, dt_bias)
@@ -191,7 +209,8 @@ _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": 
             "copy": ("triton_copy", "copy_blocks"), "moe": ("triton_moe", "experts_few_rows"),
             "route": ("triton_route", "route"), "sort": ("triton_route", "sort_by_expert"),
             "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention"),
-            "norm": ("triton_norm", "norm_rows"), "order": ("triton_place", "order_keys"),
+            "norm": ("triton_norm", "norm_rows"), "add_norm": ("triton_norm", "add_norm_rows"),
+            "order": ("triton_place", "order_keys"),
             "pairs": ("triton_scan", "pair_lowrank"), "tail": ("triton_scan", "tail_epilogue"),
             "gate_beta": ("triton_gates", "gate_beta"), "act_mul": ("triton_gates", "act_mul")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on

@@ -82,6 +82,45 @@ def _norm_rows(x, g, w, y, cs, sn, T, eps, x_group, xs0, xs1, g_group, gs0, gs1,
     tl.store(y + y_row[:, None] + cols[None, :], yv.to(y.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _add_norm_rows(x, r, w, s, y, T, eps, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+    """Rows of a residual sum and its RMS norm: s = x + r rounded to s's dtype (the model's residual add), y = s / rms(s)
+    * w from that rounded s, fp32 inside, one rounding (`add_norm_rows`). Contiguous [T, D] rows."""
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    mc = cols < D
+    m = (rows < T)[:, None] & mc[None, :]
+    off = rows[:, None] * D + cols[None, :]
+    sv = tl.load(x + off, mask=m, other=0.0).to(tl.float32) + tl.load(r + off, mask=m, other=0.0).to(tl.float32)
+    sr = sv.to(s.dtype.element_ty)
+    tl.store(s + off, sr, mask=m)
+    sv = sr.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(sv * sv, 1) / D + eps)
+    yv = sv * inv[:, None] * tl.load(w + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + off, yv.to(y.dtype.element_ty), mask=m)
+
+
+def add_norm_rows(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, y): s = x + r in x's dtype (one rounding), y = the RMS norm of s with `weight` [D] (fp32 inside, one
+    rounding): ops/reference/norm.py add_rms_norm in one launch (two before: the residual add, then the norm, which
+    read s back). x and r of one shape and dtype, D <= ADD_MAX_WIDTH; rows copied to contiguous where they are not."""
+    d = x.shape[-1]
+    if r.shape != x.shape or r.dtype != x.dtype or weight.shape != (d,) or d > ADD_MAX_WIDTH:
+        raise ValueError(f"add_norm_rows: x {tuple(x.shape)} {x.dtype}, r {tuple(r.shape)} {r.dtype}, weight "
+                         f"{tuple(weight.shape)} (at most {ADD_MAX_WIDTH} columns)")
+    xr, rr = x.reshape(-1, d).contiguous(), r.reshape(-1, d).contiguous()
+    s, y = torch.empty_like(xr), torch.empty_like(xr)
+    t = xr.shape[0]
+    if t:
+        bd, bt, warps = _config(d)
+        _add_norm_rows[(triton.cdiv(t, bt),)](xr, rr, weight.contiguous(), s, y, t, eps, D=d, BD=bd, BT=bt,
+                                              num_warps=warps)
+    return s.view(x.shape), y.view(x.shape)
+
+
+ADD_MAX_WIDTH = 8192     # (a row's fp32 values in one program: 64 a thread at 4 warps)
+
+
 def _config(d: int) -> tuple[int, int, int]:
     """(padded width, rows per program, warps): ~4k fp32 values per program of 4 warps (32 per thread)."""
     bd = max(16, triton.next_power_of_2(d))
@@ -147,4 +186,4 @@ def _row_layout(t: torch.Tensor, d: int) -> tuple[torch.Tensor, int, int, int]:
     return c, 1, d, d
 
 
-__all__ = ["norm_rows", "MAX_WIDTH"]
+__all__ = ["norm_rows", "add_norm_rows", "MAX_WIDTH", "ADD_MAX_WIDTH"]

@@ -8,12 +8,12 @@ from .gla import chunk_gla, chunk_simple_gla, recurrent_gla, recurrent_simple_gl
 from .kda import chunk_kda, recurrent_kda
 from .moe import (clamped_swiglu, experts_forward, experts_forward_plain, pad_weights, route, route_grouped_sigmoid,
                   with_shared)
-from .norm import gdn_gate, gdn_gate_beta, rms_norm, rms_norm_gated, rms_norm_rope, act_mul
+from .norm import act_mul, add_rms_norm, gdn_gate, gdn_gate_beta, rms_norm, rms_norm_gated, rms_norm_rope
 
 __all__ = [
     "causal_conv1d", "causal_conv1d_varlen", "gated_delta_tail", "chunk_diagonal_scan", "recurrent_diagonal_scan", "decode_attention", "chunk_gated_delta_rule", "chunk_gated_delta_transition",
     "chunk_gated_delta_isolated", "chunk_gla", "chunk_kda", "chunk_simple_gla", "recurrent_gla",
     "recurrent_kda", "recurrent_simple_gla", "clamped_swiglu", "experts_forward", "experts_forward_plain", "l2norm",
-    "order_keys", "position_attention", "rms_norm", "rms_norm_gated", "rms_norm_rope", "gdn_gate", "gdn_gate_beta", "act_mul", "recurrent_gated_delta_rule", "recurrent_gated_delta_summary", "route", "route_grouped_sigmoid",
+    "order_keys", "position_attention", "rms_norm", "rms_norm_gated", "rms_norm_rope", "add_rms_norm", "gdn_gate", "gdn_gate_beta", "act_mul", "recurrent_gated_delta_rule", "recurrent_gated_delta_summary", "route", "route_grouped_sigmoid",
     "with_shared", "pad_weights",
 ]
