@@ -203,10 +203,11 @@ FUSED_FOLD = True
 BALANCE = True
 VSPLIT = 1
 # the key splits' rule: about this many programs per SM (at most one resident at a time: 197 KB of shared memory at
-# the default launch). attention_bench at the warm request's shape: 16 splits (~4 programs per SM) -5% against the
-# rule's 9 (~2) on the H200 (run 56: 540.8 against 568.9 us) and on the H100 (run 124: 353.9 against 373.5); 8 and 32
-# slower. gpu_bench's variant `attention_splits_4` times it in the request
-PROGRAMS_PER_SM = 2
+# the default launch). attention_bench at the warm request's shape: 16 splits (~4 programs per SM) -5% against 9 (~2,
+# the rule before the 39th session) on the H200 (run 56: 540.8 against 568.9 us) and on the H100 (run 124: 353.9
+# against 373.5); 8 and 32 slower. In the warm request (H100 run 126, paired): -0.09 ms, partials -212 us and the
+# fold +142 us over 10 layers (the fold's split loop then a run-time one). gpu_bench's variant `attention_splits_2`
+PROGRAMS_PER_SM = 4
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
