@@ -163,30 +163,27 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
 
 
 @triton.jit
-def _fold_kernel(acc, m, l, out, nrows, splits, H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr,
-                 DV: tl.constexpr, BR: tl.constexpr, BDV: tl.constexpr):
+def _fold_kernel(acc, m, l, out, nrows, H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr,
+                 DV: tl.constexpr, BR: tl.constexpr, BDV: tl.constexpr, SPLITS: tl.constexpr):
     """The splits' partial outputs folded (log-sum-exp weights) and written as [Nq, H, Dv] in out's dtype: program
-    (row block, kv head, value block)."""
+    (row block, kv head, value block). The split count a compile-time constant (39th session: the loops unrolled, so
+    the splits' loads need not wait on each other; a run-time count before)."""
     hk = tl.program_id(1)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     dv = tl.program_id(2) * BDV + tl.arange(0, BDV)
     ok = rows < nrows
     mo = ok[:, None] & (dv < DV)[None, :]
     mx = tl.full([BR], float("-inf"), tl.float32)
-    s = 0
-    while s < splits:
-        mx = tl.maximum(mx, tl.load(m + (s * HKV + hk).to(tl.int64) * nrows + rows, mask=ok, other=float("-inf")))
-        s += 1
+    for s in tl.static_range(SPLITS):
+        mx = tl.maximum(mx, tl.load(m + (s * HKV + hk) * nrows + rows.to(tl.int64), mask=ok, other=float("-inf")))
     mx = tl.where(mx == float("-inf"), 0.0, mx)         # (a row no split saw: no row of the compose pass)
     den = tl.zeros([BR], tl.float32)
     o = tl.zeros([BR, BDV], tl.float32)
-    s = 0
-    while s < splits:
-        at = (s * HKV + hk).to(tl.int64) * nrows + rows
+    for s in tl.static_range(SPLITS):
+        at = (s * HKV + hk) * nrows + rows.to(tl.int64)
         w = tl.exp(tl.load(m + at, mask=ok, other=float("-inf")) - mx)      # a split that saw nothing: m = -inf, 0
         den += w * tl.load(l + at, mask=ok, other=0.0)
         o += w[:, None] * tl.load(acc + at[:, None] * DV + dv[None, :], mask=mo, other=0.0)
-        s += 1
     o = o / tl.where(ok, den, 1.0)[:, None]
     qi = rows // REP
     head = hk * REP + rows % REP
@@ -206,10 +203,11 @@ FUSED_FOLD = True
 BALANCE = True
 VSPLIT = 1
 # the key splits' rule: about this many programs per SM (at most one resident at a time: 197 KB of shared memory at
-# the default launch). attention_bench at the warm request's shape: 16 splits (~4 programs per SM) -5% against the
-# rule's 9 (~2) on the H200 (run 56: 540.8 against 568.9 us) and on the H100 (run 124: 353.9 against 373.5); 8 and 32
-# slower. gpu_bench's variant `attention_splits_4` times it in the request
-PROGRAMS_PER_SM = 2
+# the default launch). attention_bench at the warm request's shape: 16 splits (~4 programs per SM) -5% against 9 (~2,
+# the rule before the 39th session) on the H200 (run 56: 540.8 against 568.9 us) and on the H100 (run 124: 353.9
+# against 373.5); 8 and 32 slower. In the warm request (H100 run 126, paired): -0.09 ms, partials -212 us and the
+# fold +142 us over 10 layers (the fold's split loop then a run-time one). gpu_bench's variant `attention_splits_2`
+PROGRAMS_PER_SM = 4
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
@@ -264,7 +262,7 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
         out = q.new_empty((nq, h, dv))
         br, bf = 16, min(128, max(16, triton.next_power_of_2(dv)))
         _fold_kernel[(triton.cdiv(nrows, br), hkv, triton.cdiv(dv, bf))](
-            acc, m, l, out, nrows, splits, H=h, HKV=hkv, REP=rep, DV=dv, BR=br, BDV=bf, num_warps=4)
+            acc, m, l, out, nrows, H=h, HKV=hkv, REP=rep, DV=dv, BR=br, BDV=bf, SPLITS=splits, num_warps=4)
         return out
     w = torch.exp(m - m.amax(0, keepdim=True))                   # splits a row cannot see: m = -inf, w = 0
     out = (acc * w[..., None]).sum(0) / (l * w).sum(0)[..., None]   # [Hkv, Nq * rep, Dv]
