@@ -525,6 +525,13 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
     tuned = _ts.TUNED if _ts is not None else {}
     print(f"scan tuner picks: {({k: v[0] for k, v in tuned.items()})}", flush=True)
     rag["scan_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in tuned.items()}
+    try:                           # the expert kernels' configurations as timed on the shapes met so far (us)
+        from hypic.ops import triton_moe as _tmo
+        moe_tuned = {k: (v[0], {c: round(t * 1e3, 1) for c, t in v[1].items()}) for k, v in _tmo.TUNED.items()}
+    except ImportError:
+        moe_tuned = {}
+    print(f"moe tuner: {moe_tuned} (us)", flush=True)
+    rag["moe_tuned"] = {str(k): [str(v[0]), {str(c): t for c, t in v[1].items()}] for k, v in moe_tuned.items()}
     pairs_tuned = _ts.PAIR_TUNED if _ts is not None else {}       # the pair kernel's forms timed on the request's shape
     print(f"pair tuner: {({k: (v[0], {c: round(t * 1e3, 1) for c, t in v[1].items()}) for k, v in pairs_tuned.items()})}"
           " (us)", flush=True)
