@@ -1202,7 +1202,7 @@ for nk, ne in ((0, 8), (8, 256), (37, 5), (1800, 256), (4096, 64)):
     order, offs = triton_route.sort_by_expert(flat, ne)
     assert torch.equal(order, flat.argsort(stable=True)), nk
     assert torch.equal(offs, torch.bincount(flat, minlength=ne).cumsum(0).to(torch.int32)), nk
-    for k in (1, 4):            # tokens of k choices from `real` on are padding: sorted last in their order, not counted
+    for k in (1, 4):            # tokens of k choices from `real` on are padding: sorted last, in order, not counted
         if nk % k or not nk:
             continue
         real = torch.tensor([max(0, nk // k - 3)])

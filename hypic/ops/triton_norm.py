@@ -84,8 +84,8 @@ def _norm_rows(x, g, w, y, cs, sn, T, eps, x_group, xs0, xs1, g_group, gs0, gs1,
 
 @triton.jit
 def _add_norm_rows(x, r, w, s, y, T, eps, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
-    """Rows of a residual sum and its RMS norm: s = x + r rounded to s's dtype (the model's residual add), y = s / rms(s)
-    * w from that rounded s, fp32 inside, one rounding (`add_norm_rows`). Contiguous [T, D] rows."""
+    """Rows of a residual sum and its RMS norm: s = x + r rounded to s's dtype (the model's residual add), y =
+    s / rms(s) * w from that rounded s, fp32 inside, one rounding (`add_norm_rows`). Contiguous [T, D] rows."""
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     cols = tl.arange(0, BD)
     mc = cols < D
@@ -100,7 +100,8 @@ def _add_norm_rows(x, r, w, s, y, T, eps, D: tl.constexpr, BD: tl.constexpr, BT:
     tl.store(y + off, yv.to(y.dtype.element_ty), mask=m)
 
 
-def add_norm_rows(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm_rows(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, y): s = x + r in x's dtype (one rounding), y = the RMS norm of s with `weight` [D] (fp32 inside, one
     rounding): ops/reference/norm.py add_rms_norm in one launch (two before: the residual add, then the norm, which
     read s back). x and r of one shape and dtype, D <= ADD_MAX_WIDTH; rows copied to contiguous where they are not."""

@@ -61,8 +61,9 @@ SUB_RUN = 16            # the pieces a run is cut into (one map more in the chai
 PAD_RUN = 16            # the pad tokens' runs (their length only has to stay within the longest real run's chunk)
 # the pad tokens through the MoE's routed experts like tokens (before the thirty-ninth session; gpu_bench's variant
 # `pads_routed`). False: the batch names its real rows (ForwardBatch.real_rows) and the experts leave the pads out.
-# Pads are one token id at one position and route alike: the 35B request's 32 pads can pile onto one top-k set of
-# experts, and an expert with more than the kernel's BM rows streams its weights once per BM rows
+# Pads are one token id at one position and route alike: the 35B request's 32 pads piled onto one top-k set of
+# experts (moe_bench: 45 rows on one), whose gate/up tiles then streamed from DRAM once per BM = 16 rows (H100 run 125:
+# `pads_routed` +1.33 ms on the warm request, paired)
 PADS_ROUTED = False
 MAX_TOKENS = 2048       # most active tokens
 _NEVER = 1 << 62        # the mask position of a key no query may see

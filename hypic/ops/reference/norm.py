@@ -15,7 +15,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual sum and its norm: (s, y), s = x + r in x's dtype (one rounding, as a model's residual add), y =
     rms_norm(s, weight, eps) of that rounded s."""
     s = x + r
