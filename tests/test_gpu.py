@@ -1164,8 +1164,7 @@ for n, k, ne, hd, inter in ((7, 3, 5, 64, 48), (40, 2, 4, 32, 16), (1, 2, 6, 48,
     flat = ex.reshape(-1)
     offs = torch.bincount(flat, minlength=ne).cumsum(0).to(torch.int32)
     for cfgs in ((triton_moe._CONFIGS["gate_up"][0], triton_moe._CONFIGS["down"][0]),
-                 (triton_moe._CONFIGS["gate_up"][1], triton_moe._CONFIGS["down"][1]),
-                 (triton_moe._CONFIGS["gate_up"][-1], triton_moe._CONFIGS["down"][-1])):     # (64 rows a pass)
+                 (triton_moe._CONFIGS["gate_up"][1], triton_moe._CONFIGS["down"][1])):
         for desc in (False, True):            # the weights by pointers, and by tensor descriptors (TMA_WEIGHTS)
             y1 = triton_moe.experts_few_rows(x, wt, ex, gu, dn, flat.argsort(stable=True), offs, configs=cfgs,
                                              desc=desc)

@@ -197,18 +197,13 @@ def combine(ys: torch.Tensor, k: int, shared=None, rows=None) -> torch.Tensor:
 # (BM, BN, BK, warps, stages) per kernel, tried on a shape's first eager call; the first is the default
 # (the last three of each: less shared memory a program, so that two or three programs share an SM and one's first
 # loads overlap another's stream; thirty-second session)
-# The last of each (39th session): 64 rows a pass, for routing that piles rows onto a few experts (a trained router's
-# hot experts): an expert's rows past BM take another pass over its weight tile, which for gate/up (512 KB a tile at
-# BN 64) comes from DRAM again. moe_bench run 125, 224 tokens plus 32 copies of one row (45 rows on an expert): gate/up
-# 393.5 us at the default against 376.1 at BM 32 and 364.2 without the copies. Built for sm_90a: 168 / 210 registers,
-# no spills.
 _CONFIGS = {
     "gate_up": ((16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 64, 256, 8, 3), (32, 64, 128, 4, 3),
                 (16, 128, 128, 8, 3), (16, 32, 256, 4, 3), (16, 64, 128, 4, 3), (16, 64, 64, 4, 4),
-                (16, 64, 64, 4, 6), (64, 64, 64, 4, 4)),
+                (16, 64, 64, 4, 6)),
     "down": ((16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (32, 64, 128, 4, 3),
              (16, 128, 64, 4, 4), (16, 32, 128, 4, 4), (16, 64, 128, 4, 2), (16, 128, 128, 4, 2),
-             (16, 64, 64, 4, 4), (64, 64, 64, 4, 4)),
+             (16, 64, 64, 4, 4)),
 }
 TUNED: dict = {}                 # (kernel, shape key) -> (config, {config: ms}) (benchmarks print them)
 
