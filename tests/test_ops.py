@@ -257,6 +257,17 @@ def test_moe_matches_dense_loop():
             ref[t] += w[t, j] * (down[ex] @ (F.silu(gu[:i]) * gu[i:]))
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w.sum(-1), torch.ones(n))
+    # rows from `rows` on are padding (the compose pass's pads): no routed expert, the shared part alone; the rest
+    # exactly as without padding, in both backends (the fast one runs the reference on the CPU)
+    from hypic.ops import get_backend
+
+    sg, so = torch.randn(n, 1), torch.randn(n, hd)
+    full = experts_forward(x, w, idx, gate_up, down, shared=(sg, so))
+    rows = torch.tensor([7])
+    for name in ("reference", "fast"):
+        got = get_backend(name).experts_forward(x, w, idx, gate_up, down, shared=(sg, so), rows=rows)
+        assert torch.equal(got[:7], full[:7]), name
+        torch.testing.assert_close(got[7:], torch.sigmoid(sg[7:]) * so[7:], atol=0, rtol=0)
 
 
 # -- KDA and GLA (diagonal / scalar decay) ------------------------------------------------------------
