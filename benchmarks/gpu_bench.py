@@ -294,7 +294,7 @@ def decode_bench(llm, prompts, steps: int, batches=(1, 8), prof: bool = False):
             eng.decoder = None if mode == "dynamic" else graph_dec
             reqs = llm.make_requests(prompts[:b], SamplingParams(max_tokens=steps + 8, ignore_eos=True,
                                                                  return_logits=True))
-            for r in reqs:      # one prefill each (eight 32k prompts at once ran out of memory on 80 GB: H100 runs 123-126)
+            for r in reqs:      # one prefill each (eight 32k prompts at once: out of memory on 80 GB, H100 runs 123-126)
                 eng.accept(r, eng.prefill([r])[0])
 
             def step():

@@ -150,9 +150,10 @@ def rms_norm_rope(x, weight, eps, cos, sin, rotary_dim, out=None):
 def add_rms_norm(x, r, weight, eps):
     """The reference signature (a residual sum and its norm) in one kernel (ops/triton_norm.py add_norm_rows) where
     FUSED_ADD_NORM; else the add, then rms_norm."""
-    if FUSED_ADD_NORM and FUSED_NORMS and x.shape == r.shape and x.dtype == r.dtype and triton_here(x):
+    if (FUSED_ADD_NORM and FUSED_NORMS and x.shape == r.shape and x.dtype == r.dtype and x.shape[-1] <= _ADD_MAX_WIDTH
+            and triton_here(x)):
         kern = triton_kernel("add_norm", x, r, weight)
-        if kern is not None and x.shape[-1] <= _ADD_MAX_WIDTH:
+        if kern is not None:
             try:
                 return kern(x, r, weight, eps)
             except Exception as err:

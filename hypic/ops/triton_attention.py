@@ -175,12 +175,12 @@ def _fold_kernel(acc, m, l, out, nrows, H: tl.constexpr, HKV: tl.constexpr, REP:
     mo = ok[:, None] & (dv < DV)[None, :]
     mx = tl.full([BR], float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
-        mx = tl.maximum(mx, tl.load(m + (s * HKV + hk) * nrows + rows.to(tl.int64), mask=ok, other=float("-inf")))
+        mx = tl.maximum(mx, tl.load(m + (s * HKV + hk).to(tl.int64) * nrows + rows, mask=ok, other=float("-inf")))
     mx = tl.where(mx == float("-inf"), 0.0, mx)         # (a row no split saw: no row of the compose pass)
     den = tl.zeros([BR], tl.float32)
     o = tl.zeros([BR, BDV], tl.float32)
     for s in tl.static_range(SPLITS):
-        at = (s * HKV + hk) * nrows + rows.to(tl.int64)
+        at = (s * HKV + hk).to(tl.int64) * nrows + rows
         w = tl.exp(tl.load(m + at, mask=ok, other=float("-inf")) - mx)      # a split that saw nothing: m = -inf, 0
         den += w * tl.load(l + at, mask=ok, other=0.0)
         o += w[:, None] * tl.load(acc + at[:, None] * DV + dv[None, :], mask=mo, other=0.0)

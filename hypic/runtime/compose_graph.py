@@ -302,8 +302,7 @@ def lower(work: SeqWork, ids: list[int], positions: list[int], conv_width: int, 
     paired = int((~pairs[0]).sum())
     chained = len(pads)                               # the second chain: the pad runs (none with a tail)
     tables = dict(ids=t(tok_ids), positions=t(tok_pos), logits_index=torch.tensor([n - 1]), real=torch.tensor([n]),
-                  cu=t(cu),
-                  cu_maps=torch.tensor([0, main, main + chained], dtype=torch.int32),
+                  cu=t(cu), cu_maps=torch.tensor([0, main, main + chained], dtype=torch.int32),
                   cu_pairs=torch.tensor([0, main - paired, main + chained - paired], dtype=torch.int32),
                   order=torch.tensor(order, dtype=torch.int32),
                   run_of=t(run_of), pos_in_run=t(pos_in_run), kpos=t(kpos), kperm=t(kperm), qlast=t(qlast))
