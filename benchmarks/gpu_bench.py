@@ -493,6 +493,9 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
 
         variants += [("loads_by_element", both(flag(_ts, "PAIR_ALIGNED", False), flag(_tp, "ALIGNED_ENTRIES", False)),
                       {})]
+        # the pairs made inside the chain scan, or by the pair kernel before it (40th session)
+        variants += [("pairs_apart" if _linear.PAIRS_IN_SCAN else "pairs_in_scan",
+                      flag(_linear, "PAIRS_IN_SCAN", not _linear.PAIRS_IN_SCAN), {})]
         # the chain's steps read through their table rows, not by position in the pairs' buffer (36th session)
         variants += [("scan_by_table" if _ts.BY_POSITION else "scan_by_position",
                       flag(_ts, "BY_POSITION", not _ts.BY_POSITION), {})]

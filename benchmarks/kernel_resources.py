@@ -126,6 +126,13 @@ def other_builds():
                 ts._pair_persistent_kernel, dict(pairs="*i64", F="*fp32", U="*fp32", out="*fp32", P="i32"),
                 dict(H=32, K=128, V=128, WF=16, BR=br, PREC="tf32x3", PW=6, SKIP=False, ALIGNED=ts.PAIR_ALIGNED,
                      STAGES=ts.pair_stages(form)), w, stages=ts.pair_stages(form))))
+    # the pairs made inside the chain scan (40th session): each tuner configuration
+    sp = dict(init="*fp32", steps="*i64", pairs="*i64", F="*fp32", U="*fp32", final="*fp32", cu="*i32", ou="*bf16",
+              s_ot="i32", s_oh="i32")
+    for bv, w, st in ts.PAIRS_SCAN_CONFIGS:
+        rows.append(("scan_pairs", f"value block {bv}, warps {w}, stages {st}", kernel_build(
+            ts._scan_pairs_kernel, sp, dict(H=32, K=128, V=128, BV=bv, W=6, BT=16, WF=16, PW=6, PREC="tf32x3",
+                                            STAGES=st, EMULATE=False), w, stages=st, divisible={"s_ot", "s_oh"})))
     tail = dict(o="*bf16", u="*bf16", s0="*fp32", U="*fp32", F="*fp32", cu="*i64", final="*fp32", N="i32",
                 s_on="i32", s_oh="i32", s_un="i32", s_uh="i32")
     for bv, w in ((32, 4), (16, 4), (32, 8)):          # the query's tail (32nd session): 4 runs of 16, K = V = 128

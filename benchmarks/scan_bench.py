@@ -21,6 +21,9 @@ The warm `pic` request's chain per linear layer: 20 seam runs of 8 tokens, each 
     position     the lowrank chain taken by position in the pairs' buffer (STEP_BY_POSITION, `_by_position`: two maps
                  in flight in shared memory, three tf32 products of M as loaded; thirty-sixth session), its corrected
                  outputs in bf16 as the compose pass's (checked within their rounding, 4e-3)
+    pairs        the position chain with each pair made inside the scan (`ops/triton_scan.scan_pairs`: the run from x
+                 by its factors and values, then the cached map read in place; fortieth session): no pair kernel, no
+                 pairs' buffer written and read back; bf16 outputs as `position`
 
 (Runs 54-55 also timed, at git 4a0a8c6, a seam run and the segment after it as one step and the state held
 transposed: both slower, removed; their rows are in benchmarks/results/gpu/scan_bench_run5{4,5}.json.)
@@ -96,13 +99,13 @@ def pair_maps(c, out=None):
 def tables(c, form, dev):
     """The chain's step table for a form (its columns as `scan_steps` documents them) and cu."""
     t0s, lens = c["t0s"], c["lens"]
-    if form in ("dense", "prepaired", "lowrank", "position"):        # a run's (or a pair's) [S | T] at its offset
+    if form in ("dense", "prepaired", "lowrank", "position", "pairs"):   # a run's (or a pair's) [S | T] at its offset
         run_row = lambda m: [(m - E) * H * K * (V + K) * 4] * 2  # noqa: E731
     else:                                                # a run's factors, then its S
         run_row = lambda m: [(m - E) * H * (2 * W + 1) * K * 4, (m - E) * H * K * V * 4]  # noqa: E731
     rows = []
     for m in c["order"]:
-        if m < E and form in ("prepaired", "lowrank", "position"):   # composed into the run before it
+        if m < E and form in ("prepaired", "lowrank", "position", "pairs"):   # composed into the run before it
             continue
         if m < E and form == "split":                    # T's tf32 part at column 0, the rest at column 6
             rows.append([c["T_hi"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0, c["T_lo"][m].data_ptr()])
@@ -110,7 +113,7 @@ def tables(c, form, dev):
             rows.append([c["T"][m].data_ptr(), c["S"][m].data_ptr(), 0, m, 0, 0])
         else:
             rows.append(run_row(m) + [1, m, t0s[m], lens[m - E]] + ([0] if form == "split" else []))
-    if form == "position":                               # every step a pair's map at the next slot: by position
+    if form in ("position", "pairs"):                    # every step a pair's map at the next slot: by position
         from hypic.compose.scan import STEP_BY_POSITION
 
         rows[0][2] |= STEP_BY_POSITION
@@ -148,7 +151,7 @@ def main():
     forms = {"dense": [(32, 8, 2), (32, 8, 1), (64, 8, 2), (32, 4, 2)], "factored": [(32, 8, 2), (32, 8, 1)],
              "split": [(32, 8, 1), (16, 4, 1), (32, 4, 1), (16, 8, 1), (64, 8, 1)],
              "prepaired": [(32, 8, 2), (32, 8, 1)], "lowrank": [(32, 8, 2), (32, 8, 1)],
-             "position": [(32, 8, 2), (32, 8, 1), (32, 4, 2)]}
+             "position": [(32, 8, 2), (32, 8, 1), (32, 4, 2)], "pairs": list(ts.PAIRS_SCAN_CONFIGS)}
     if args.forms:
         forms = {f: forms[f] for f in args.forms.split(",")}
     if args.wide:              # 16 warps: T [128 x 128] at 32 registers per thread instead of 64 (run 31 saw a fault
@@ -192,12 +195,14 @@ def main():
         if any(r.get("fault") for r in rows):          # the CUDA context is lost: nothing more can run
             break
         steps, cu = tables(c, form, dev)
-        outs = outs16 if form == "position" else c["outs"]
+        outs = outs16 if form in ("position", "pairs") else c["outs"]
         for cfg in cfgs:
             got = outs.clone()
 
             def launch(o=got, steps=steps, cu=cu, cfg=cfg, form=form):
                 kw = dict(outputs=o, max_run=QLEN, bv=cfg[0], warps=cfg[1], stages=cfg[2])
+                if form == "pairs":
+                    return ts.scan_pairs(c["init"], steps, cu, pairs_t, c["F"], c["U"], **kw)
                 if form in ("dense", "prepaired", "lowrank", "position"):
                     maps = {"prepaired": paired, "lowrank": lowrank, "position": lowrank}.get(form, c["dense"])
                     return ts.scan_steps(c["init"], steps, cu, maps, E + c["n"], position=form == "position", **kw)[1]
@@ -215,11 +220,12 @@ def main():
                 continue
             # (bf16 outputs: the corrected ones within their own rounding, 2^-9 relative)
             row["final_rel"] = rel(final, f0[0])
-            row["corrected_rel"] = rel(got[..., :V], want16 if form == "position" else want)
-            ok = row["final_rel"] < 1e-5 and row["corrected_rel"] < (4e-3 if form == "position" else 1e-5)
+            bf16 = form in ("position", "pairs")
+            row["corrected_rel"] = rel(got[..., :V], want16 if bf16 else want)
+            ok = row["final_rel"] < 1e-5 and row["corrected_rel"] < (4e-3 if bf16 else 1e-5)
             scratch = outs.clone()
             row.update(launch_times(lambda: launch(scratch), args.reps, dev.type == "cuda"), ok=ok)
-            comp = ts.COMPILED.get("steps")
+            comp = ts.COMPILED.get("pairs_scan" if form == "pairs" else "steps")
             if comp is not None:
                 row.update(regs=getattr(comp, "n_regs", None), spills=getattr(comp, "n_spills", None))
             rows.append(row)
@@ -240,7 +246,8 @@ def main():
           "pair_lowrank:",
           None if best.get("lowrank") is None or lr_best is None else round(best["lowrank"] + lr_best, 1),
           "; position + pair_lowrank:",
-          None if best.get("position") is None or lr_best is None else round(best["position"] + lr_best, 1))
+          None if best.get("position") is None or lr_best is None else round(best["position"] + lr_best, 1),
+          "; pairs (no pair kernel):", best.get("pairs"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)"

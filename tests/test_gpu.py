@@ -327,6 +327,69 @@ def test_triton_scan_steps_matches_fp64():
 
 
 @cuda
+def test_triton_scan_pairs_matches_fp64():
+    """The pairs made inside the chain scan (ops/triton_scan.scan_pairs, PAIRS_IN_SCAN) at the 35B model's shape: a
+    cached map from zero, then 20 seam runs of 8 tokens each with the cached map after it and 4 query runs alone, by
+    position, each run from its factors and values. The final state within 1e-5 of the fp64 chain (the step-table
+    scan's tolerance) in every configuration the tuner may pick that builds; the corrected bf16 outputs within their
+    rounding (2^-8) of the fp64 correction, and within 2^-7 of the pair kernel's chain (`pair_lowrank`, then
+    `scan_steps` by position)."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from hypic.compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
+    from hypic.ops import triton_scan
+    from hypic.ops.reference.gated_delta import factors_to_dense
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    H, K, V, E, L, WF, Q = 32, 128, 128, 20, 8, 16, 4
+    n = E + Q
+    T = torch.randn(E + 1, H, K, K, device="cuda", generator=g) / K ** .5 * .9
+    S = torch.randn(E + 1, H, K, V, device="cuda", generator=g)
+    F = torch.zeros(n, H, 2 * WF + 1, K, device="cuda")
+    F[:, :, :L] = torch.randn(n, H, L, K, device="cuda", generator=g) / K ** .5 * .4
+    F[:, :, WF:WF + L] = torch.randn(n, H, L, K, device="cuda", generator=g) / K ** .5 * .4
+    F[:, :, 2 * WF, 0] = 0.9 + 0.1 * torch.rand(n, H, device="cuda", generator=g)
+    U = torch.zeros(n, H, WF, V, device="cuda")
+    U[:, :, :L] = torch.randn(n, H, L, V, device="cuda", generator=g)
+    dense = factors_to_dense(F[:, :, :WF].transpose(-1, -2) @ U, F).double()
+    pairs = torch.tensor([[T[i + 1].data_ptr(), S[i + 1].data_ptr(), i, 0, 0, 0] if i < E else [0, 0, i, 0, 0, 0]
+                          for i in range(n)], dtype=torch.int64, device="cuda")
+    off = lambda i: i * H * K * (V + K) * 4  # noqa: E731
+    rows = [[T[0].data_ptr(), S[0].data_ptr(), STEP_FROM_ZERO | STEP_BY_POSITION, 0, 0, 0]]
+    rows += [[off(i), off(i), 1, 1 + i, i * L, L] for i in range(n)]
+    steps = torch.tensor(rows, dtype=torch.int64, device="cuda")
+    cu = torch.tensor([0, len(rows)], dtype=torch.int32, device="cuda")
+    outs = torch.randn(n * L, H, V + K, device="cuda", generator=g).bfloat16()
+    x = S[0].double()
+    want = outs[..., :V].double().clone()
+    for i in range(n):
+        want[i * L:(i + 1) * L] += torch.einsum("nhk,hkv->nhv", outs[i * L:(i + 1) * L, :, V:].double(), x)
+        x = dense[i, ..., V:] @ x + dense[i, ..., :V]
+        if i < E:
+            x = T[i + 1].double() @ x + S[i + 1].double()
+    init = torch.zeros(1, H, K, V, device="cuda")
+    maps = torch.empty(n, H, K, V + K, device="cuda")
+    triton_scan.pair_lowrank(pairs, F, U, maps)
+    apart = outs.clone()
+    triton_scan.scan_steps(init, steps, cu, maps, 1 + n, outputs=apart, max_run=L, position=True)
+    built = 0
+    for cfg in triton_scan.PAIRS_SCAN_CONFIGS:
+        got = outs.clone()
+        try:
+            f = triton_scan.scan_pairs(init, steps, cu, pairs, F, U, got, max_run=L, bv=cfg[0], warps=cfg[1],
+                                       stages=cfg[2])
+        except OutOfResources:                # a configuration that cannot be built is skipped, as the tuner does
+            continue
+        built += 1
+        assert rel(f[0], x) < 1e-5, (cfg, rel(f[0], x))
+        assert rel(got[..., :V], want) < 2 ** -8, cfg
+        assert rel(got[..., :V], apart[..., :V].double()) < 2 ** -7, cfg
+        assert torch.equal(got[..., V:], outs[..., V:]), cfg
+    assert built
+
+
+@cuda
 def test_triton_scan_by_position_matches_fp64():
     """The chain by position (ops/triton_scan.py `_by_position`, STEP_BY_POSITION) at the 35B model's shape: 24 runs'
     dense maps (20 pairs and 4 query pieces) at consecutive slots, first the chain's first map a run's or a cached
@@ -1392,14 +1455,25 @@ cg.COPY_BY_ADDRESS = True                      # the fill's packing through the 
 # into pieces of 16 tokens (default), 32 or 64 (the 41-token query in two pieces or one: the summary's chunk, the pairs'
 # factors and the scan's correction rows 64 wide)
 # (the 41-token query's pieces outside the chain as its tail, QUERY_TAIL, except where it is off: 0)
-for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, False, False, 16, 64),
-                                          (False, True, False, 16, 64), (False, True, True, 16, 64),
-                                          (False, True, False, 16, 0), (False, True, False, 32, 0),
-                                          (False, True, False, 64, 64)):
+# (in_scan: the pairs made inside the chain scan, PAIRS_IN_SCAN: no pair kernel launched; with the query's pieces in
+# the chain too, no tail, the last runs alone)
+from hypic.ops import triton_scan
+launched, _pair_lowrank, _scan_pairs = [], triton_scan.pair_lowrank, triton_scan.scan_pairs
+triton_scan.pair_lowrank = lambda *a, **kw: launched.append("pairs") or _pair_lowrank(*a, **kw)
+triton_scan.scan_pairs = lambda *a, **kw: launched.append("scan_pairs") or _scan_pairs(*a, **kw)
+fast._import_kernel.cache_clear()
+for factored, paired, skip, sub, tail, in_scan in (
+        (False, False, False, 16, 64, False), (True, False, False, 16, 64, False), (False, True, False, 16, 64, False),
+        (False, True, True, 16, 64, False), (False, True, False, 16, 0, False), (False, True, False, 32, 0, False),
+        (False, True, False, 64, 64, False), (False, True, False, 16, 64, True), (False, True, False, 16, 0, True)):
     lin.RUN_FACTORS, lin.LOWRANK_PAIRS, lin.SKIP_PAD_PAIRS = factored, paired, skip   # skip: the pads' maps unmade
+    lin.PAIRS_IN_SCAN = in_scan
     cg.SUB_RUN, cg.QUERY_TAIL = sub, tail
     llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
+    launched.clear()
     got = [llm.generate([p], sp)[0] for p in ps]
+    if paired:
+        assert set(launched) == ({"scan_pairs"} if in_scan else {"pairs"}), (launched, in_scan)
     bufs0 = next(iter(llm.engine.composer.ready.values()))[0]
     assert getattr(bufs0, "copy_tables", None)                      # the fill went through the copy kernel
     lay0 = bufs0.layers[0]
@@ -1421,7 +1495,9 @@ for factored, paired, skip, sub, tail in ((False, False, False, 16, 64), (True, 
     assert last.tail == (-(-41 // sub) if tail else 0), (last, sub, tail)          # the query's runs (pieces of sub)
     if sub > 16:                # the longest run of the last request (41 tokens) in one or two pieces (the pads too)
         assert last.lmax == 32 if sub == 32 else last.lmax > 32, last
-lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
+lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = lin.PAIRS_IN_SCAN = False
+triton_scan.pair_lowrank, triton_scan.scan_pairs = _pair_lowrank, _scan_pairs
+fast._import_kernel.cache_clear()
 cg.SUB_RUN, cg.QUERY_TAIL = 16, 0
 # the cached keys and values read in place by the ordering kernel (layers/attention.py ORDER_FROM_ENTRIES): not packed
 from hypic.layers import attention as attn_mod
@@ -1674,6 +1750,111 @@ for table, rows in ((pairs, 16), (wide, 32)):
     for i in range(3):
         err = float((out[i].double() - want[i]).abs().max() / want[i].abs().max())
         assert err < 1e-5, (i, err, rows)
+print("ok")
+"""
+    _run_in_interpreter(code)
+
+
+@needs_triton
+def test_triton_scan_pairs_in_interpreter():
+    """The seam runs' pairs made inside the chain scan (ops/triton_scan.scan_pairs, the compose pass's PAIRS_IN_SCAN):
+    each run taken from x by its factors and WY values, y = g x + Kd^T (U - W x), then the cached map after it read in
+    place, T_e y + S_e (or y where none follows), its outputs corrected from x first. Runs of 5, 8, 16 and 8 tokens
+    summarized by the reference recurrence from [0 | I] (the dense [S_r | T_r] the fp64 chain takes), their factors by
+    reference `run_factors` and U by the same triangular system; the final states and corrected outputs within 1e-5 of
+    the fp64 chain (fp32 products: the pair kernel's tolerance): chains whose first step is a cached map (from zero or
+    not) or a run (from zero or not), then runs by position (flagged) or as their rows name them (unflagged), with a
+    cached map alone in the middle of an unflagged chain, value blocks of 16 and 32, beside a second chain of one run.
+    A mutant that drops the cached map's S_e fails."""
+    code = """
+import sys, math
+sys.modules["fla"] = None; sys.modules["causal_conv1d"] = None
+import torch
+from hypic.ops import triton_scan
+from hypic.compose.scan import STEP_BY_POSITION, STEP_FROM_ZERO
+from hypic.ops.reference.gated_delta import recurrent_gated_delta_summary, run_factors, _ut_system
+g = torch.Generator().manual_seed(0)
+H, K, V, WF = 2, 32, 32, 16
+lens = [5, 8, 16, 8]
+n = sum(lens)
+k = torch.nn.functional.normalize(torch.randn(1, n, H, K, generator=g), dim=-1)
+q = torch.randn(1, n, H, K, generator=g)
+v = torch.randn(1, n, H, V, generator=g)
+gl = torch.empty(1, n, H).uniform_(math.log(0.5), 0, generator=g)
+beta = torch.rand(1, n, H, generator=g)
+cu_t = torch.tensor([0] + lens).cumsum(0)
+_, _, dense = recurrent_gated_delta_summary(q, k, v, gl, beta, cu_seqlens=cu_t)      # [R, H, K, V + K] fp32
+F = run_factors(k, gl, beta, cu_t, WF).contiguous()
+U = torch.zeros(len(lens), H, WF, V)
+for i, (a, b) in enumerate(zip(cu_t[:-1].tolist(), cu_t[1:].tolist())):
+    kk, gg, bb = k[0, a:b].transpose(0, 1), gl[0, a:b].transpose(0, 1), beta[0, a:b].transpose(0, 1)
+    _, _, system = _ut_system(kk[None], gg[None], bb[None])
+    U[i, :, : b - a] = torch.linalg.solve_triangular(system[0], bb[..., None] * v[0, a:b].transpose(0, 1), upper=False,
+                                                     unitriangular=True)
+T_e = [torch.randn(H, K, K, generator=g) / K ** .5 * .9 for _ in range(3)]
+S_e = [torch.randn(H, K, V, generator=g) for _ in range(3)]
+after = [1, None, 2, 0]                                   # the cached map after each run (run 1: none)
+pairs = torch.zeros(len(lens), 6, dtype=torch.int64)
+for i, e in enumerate(after):
+    if e is not None:
+        pairs[i, 0], pairs[i, 1] = T_e[e].data_ptr(), S_e[e].data_ptr()
+    pairs[i, 2] = i
+outs = torch.randn(n, H, V + K, generator=g)
+outs[..., V:] = outs[..., V:].bfloat16().float()          # u_t in bf16, as the summary writes it
+mb = H * K * (V + K) * 4                                  # a run's offset unit in the paired table
+
+
+def entry_row(e):
+    return [T_e[e].data_ptr(), S_e[e].data_ptr(), 0, e, 0, 0]
+
+
+def run_row(i):
+    return [i * mb, i * mb, 1, 3 + i, int(cu_t[i]), lens[i]]
+
+
+def reference(init, chains, drop_se=False):
+    o = outs.double().clone()
+    finals = []
+    for x, rows in zip(init.double(), chains):
+        for tv, sv, kind, slot, a, m in rows:
+            if kind & 1:
+                i = slot - 3
+                o[a:a + m, :, :V] += torch.einsum("nhk,hkv->nhv", o[a:a + m, :, V:], x)
+                x = dense[i, ..., V:].double() @ x + dense[i, ..., :V].double()
+                if after[i] is not None:
+                    x = T_e[after[i]].double() @ x + (0 if drop_se else S_e[after[i]].double())
+            else:
+                x = T_e[slot].double() @ x + S_e[slot].double()
+        finals.append(x)
+    return o[..., :V], torch.stack(finals)
+
+
+rel = lambda a, b: float((a.double() - b).norm() / b.norm())
+cases = (([entry_row(0), run_row(0), run_row(1), run_row(2)], True, False),
+         ([entry_row(2), run_row(0), run_row(1), run_row(2)], True, True),
+         ([run_row(0), run_row(1), run_row(2)], True, False),
+         ([run_row(0), run_row(1), run_row(2)], True, True),
+         ([run_row(0), entry_row(1), run_row(1), run_row(2)], False, False),
+         ([entry_row(0), run_row(2), entry_row(1), run_row(1)], False, True))
+for chain0, by_pos, from_zero in cases:
+    chain1 = [run_row(3)]
+    tbl = torch.tensor(chain0 + chain1, dtype=torch.int64)
+    cu = torch.tensor([0, len(chain0), len(chain0) + 1], dtype=torch.int32)
+    init = torch.randn(2, H, K, V, generator=g)
+    if from_zero:
+        init[0] = 0
+        tbl[0, 2] |= STEP_FROM_ZERO
+    if by_pos:
+        tbl[0, 2] |= STEP_BY_POSITION
+    want_o, want_f = reference(init, [chain0, chain1])
+    for bv in (16, 32):
+        got = outs.clone()
+        f = triton_scan.scan_pairs(init, tbl, cu, pairs, F, U, got, max_run=16, bv=bv, warps=4)
+        ef, eo = rel(f, want_f), rel(got[..., :V], want_o)
+        assert ef < 1e-5 and eo < 1e-5, (chain0, by_pos, from_zero, bv, ef, eo)
+        assert torch.equal(got[..., V:], outs[..., V:])             # the readout columns untouched
+_, mutant = reference(init, [chain0, chain1], drop_se=True)
+assert rel(f, mutant) > 1e-2
 print("ok")
 """
     _run_in_interpreter(code)

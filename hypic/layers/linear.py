@@ -361,6 +361,19 @@ class LinearMixer(nn.Module):
         dv = o0.shape[-1]
         fused = (FUSE_CORRECTION and u.data_ptr() == o0.data_ptr() + dv * o0.element_size()
                  and u.stride() == o0.stride() and o0.stride(1) == dv + u.shape[-1])
+        if paired and fused and PAIRS_IN_SCAN and "steps" in buf:
+            # the pairs made inside the scan (ops/triton_scan.scan_pairs): each run from its factors and values, then
+            # the cached map after it read in place; no pair's map written to the shared buffer and read back
+            kern = triton_kernel("scan_pairs")
+            if kern is not None:
+                full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1))
+                try:
+                    final = kern(buf["init"][:1], buf["steps"], c.cu_pairs[:2], buf["pairs"][: sh.runs - sh.tail],
+                                 factors, runs, full, max_run=sh.lmax)
+                except Exception as err:      # the pair kernel and the chain scan below from now on
+                    kernel_failed("scan_pairs", err)
+                else:
+                    return self._finish(o0, u, final[0], f, conv_out, c, kept, tail_maps)
         if paired:
             # each run's dense map, composed with the cached map after it where one follows (the step table leaves
             # that map's step out: cu_pairs), into the layers' shared buffer; fused, the pad runs' maps need not be
@@ -882,6 +895,11 @@ LOWRANK_PAIRS = True
 # the warm request's 26 runs). Written and checked in Triton's interpreter after run 99; H100 run 102, paired (gpu_bench's
 # variant `pairs_skip_pads`): +0.17 ms (predicted -0.05 to -0.3): off.
 SKIP_PAD_PAIRS = False
+# The pairs made inside the chain scan (ops/triton_scan.scan_pairs, fortieth session): each step takes a seam run from
+# its factors and values, y = g x + Kd^T (U - W x), then the cached map after it read in place, T_e y + S_e, so the
+# pair kernel's [c | M] (~84 MB a layer at the warm 35B request) is neither written nor read back and its launch goes.
+# Needs the scan's fused correction (FUSE_CORRECTION). gpu_bench's variant `pairs_in_scan` (`pairs_apart` once on).
+PAIRS_IN_SCAN = False
 # A request without a cached prefix: its chain's first step marked as from zero (compose/scan.py STEP_FROM_ZERO), so the
 # scan takes its S without the product T 0 (one step of the warm 35B request's ~20 a layer; the same result to the
 # bit). H100 run 112, paired against it off (gpu_bench's variant `chain_from_init`): -0.11 ms on the warm request, the

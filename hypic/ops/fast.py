@@ -212,7 +212,8 @@ _KERNELS = {"attention": ("triton_attention", "position_attention"), "summary": 
             "transitions": ("triton_transition", "transitions"), "decode": ("triton_decode", "decode_attention"),
             "norm": ("triton_norm", "norm_rows"), "add_norm": ("triton_norm", "add_norm_rows"),
             "order": ("triton_place", "order_keys"),
-            "pairs": ("triton_scan", "pair_lowrank"), "tail": ("triton_scan", "tail_epilogue"),
+            "pairs": ("triton_scan", "pair_lowrank"), "scan_pairs": ("triton_scan", "scan_pairs"),
+            "tail": ("triton_scan", "tail_epilogue"),
             "gate_beta": ("triton_gates", "gate_beta"), "act_mul": ("triton_gates", "act_mul")}
 FAILED: set = set()       # kernels that could not be built here: their PyTorch forms run from then on
 

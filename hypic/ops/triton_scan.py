@@ -294,12 +294,10 @@ def _rna(v):
 
 
 @triton.jit
-def _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off_m, off_c, H: tl.constexpr,
-                   K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, EMULATE: tl.constexpr):
-    """Step j of `_by_position`: its map at slot p0 + j - j0; the run's outputs corrected from x; M x + c."""
-    mp = maps + (p0 + j - j0).to(tl.int64) * (H * K * (V + K)) + h * (K * (V + K))
-    m = tl.load(mp + off_m)                                                   # [K, K]
-    c = tl.load(mp + off_c)                                                   # [K, BV]
+def _position_correct(x, j, steps, ou, s_ot, s_oh, h, rk, rv, tt, V: tl.constexpr, W: tl.constexpr,
+                      EMULATE: tl.constexpr):
+    """Step j's run: its tokens' outputs corrected in place from x, the state entering the run, o_t += x^T u_t (first
+    token and count in the step's row), as three bf16 products (`_by_position`'s docstring)."""
     row = steps + j.to(tl.int64) * W
     t0 = tl.load(row + 4)
     nt = tl.load(row + 5)
@@ -322,14 +320,28 @@ def _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off
         corr = tl.dot(u, x2, corr)
         corr = tl.dot(u, x3, corr)
     tl.store(optr, (o0 + corr).to(ou.dtype.element_ty), mask=mt)
+
+
+@triton.jit
+def _product3(m, x, EMULATE: tl.constexpr):
+    """m x in fp32-level precision from three tf32 products (`_by_position`'s docstring), m [K, K] as loaded."""
     x_hi = _rna(x)
     x_lo = _rna(x - x_hi)
     m_lo = _rna(m - _trunc(m))
     acc = tl.dot(m_lo, x_hi, input_precision="tf32")           # (the small products first, the large one last)
     acc = tl.dot(_tf32(m, EMULATE), x_lo, acc, input_precision="tf32")
-    acc = tl.dot(_tf32(m, EMULATE), x_hi, acc, input_precision="tf32")
-    x = acc + c
-    return x
+    return tl.dot(_tf32(m, EMULATE), x_hi, acc, input_precision="tf32")
+
+
+@triton.jit
+def _position_step(x, j, j0, p0, steps, maps, ou, s_ot, s_oh, h, rk, rv, tt, off_m, off_c, H: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, EMULATE: tl.constexpr):
+    """Step j of `_by_position`: its map at slot p0 + j - j0; the run's outputs corrected from x; M x + c."""
+    mp = maps + (p0 + j - j0).to(tl.int64) * (H * K * (V + K)) + h * (K * (V + K))
+    m = tl.load(mp + off_m)                                                   # [K, K]
+    c = tl.load(mp + off_c)                                                   # [K, BV]
+    _position_correct(x, j, steps, ou, s_ot, s_oh, h, rk, rv, tt, V, W, EMULATE)
+    return _product3(m, x, EMULATE) + c
 
 
 @triton.jit
@@ -905,6 +917,168 @@ def pair_lowrank(pairs: torch.Tensor, factors: torch.Tensor, U: torch.Tensor, ou
                            launch, out, cfg, 1e-5)
     launch(cfg)
     return out
+
+
+@triton.jit
+def _pair_step(x, j, i, steps, pairs, F, U, base, ou, s_ot, s_oh, h, rk, rv, tt, ww, off_kk, off_kv, H: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WF: tl.constexpr, PW: tl.constexpr,
+               PREC: tl.constexpr, EMULATE: tl.constexpr):
+    """Step j of `_scan_pairs_kernel`: run i (its pair row: the cached map after it by address, or none) taken whole
+    from x, the state entering it. The run's outputs corrected from x (`_position_correct`); the run itself from its
+    factors, y = T_r x + S_r = g x + Kd^T (U - W x) (two thin products); then the cached map, T_e y + S_e (three tf32
+    products, `_product3`), or y where none follows. Every load is issued before the first product."""
+    prow = pairs + i.to(tl.int64) * PW
+    tv = tl.load(prow)
+    sv = tl.load(prow + 1)
+    cached = tv != 0
+    te = tl.load(from_address(base, tv, cached) + h * (K * K) + off_kk, mask=cached, other=0.0)        # [K, K]
+    se = tl.load(from_address(base, sv, cached) + h * (K * V) + off_kv, mask=cached, other=0.0)        # [K, BV]
+    fb = F + (i * H + h).to(tl.int64) * ((2 * WF + 1) * K)
+    kd = tl.load(fb + ww[:, None] * K + rk[None, :])                                                   # [WF, K]
+    wf = tl.load(fb + (WF + ww)[:, None] * K + rk[None, :])                                            # [WF, K]
+    g = tl.load(fb + 2 * WF * K)
+    uv = tl.load(U + (i * H + h).to(tl.int64) * (WF * V) + ww[:, None] * V + rv[None, :])              # [WF, BV]
+    _position_correct(x, j, steps, ou, s_ot, s_oh, h, rk, rv, tt, V, W, EMULATE)
+    d = uv - tl.dot(wf, x, input_precision=PREC)
+    y = g * x + tl.dot(tl.trans(kd), d, input_precision=PREC)
+    return tl.where(cached, _product3(te, y, EMULATE) + se, y)
+
+
+@triton.jit
+def _pair_table_step(x, j, steps, pairs, F, U, base, ou, s_ot, s_oh, h, rk, rv, tt, ww, off_kk, off_kv,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WF: tl.constexpr,
+                     PW: tl.constexpr, PREC: tl.constexpr, EMULATE: tl.constexpr):
+    """Step j as its row names it: a run (its index from the row's offset into the pairs' map buffer, as the paired
+    table writes it) by `_pair_step`; a cached map alone (none of the runs' pairs) by its own T and S."""
+    row = steps + j.to(tl.int64) * W
+    tv = tl.load(row)
+    if _is_run(row):
+        xn = _pair_step(x, j, tv // (H * K * (V + K) * 4), steps, pairs, F, U, base, ou, s_ot, s_oh, h, rk, rv, tt,
+                        ww, off_kk, off_kv, H, K, V, W, WF, PW, PREC, EMULATE)
+    else:
+        t = tl.load(tv.to(tl.pointer_type(tl.float32)) + h * (K * K) + off_kk)
+        s = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.float32)) + h * (K * V) + off_kv)
+        xn = _product3(t, x, EMULATE) + s
+    return xn
+
+
+@triton.jit
+def _scan_pairs_kernel(init, steps, pairs, F, U, final, cu, ou, s_ot, s_oh, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, WF: tl.constexpr,
+                       PW: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, EMULATE: tl.constexpr):
+    """`scan_pairs`: program (chain r, value head h, block of BV value columns) walks chain r's steps, each run with
+    the cached map after it taken in one step from the run's factors and the map's own (T_e, S_e), read in place."""
+    r, h, rk, rv, m_kv, off_kv = _state_block(K, V, K, BV)
+    off_kk = rk[:, None] * K + rk[None, :]
+    tt = tl.arange(0, BT)
+    ww = tl.arange(0, WF)
+    x = tl.load(init + (r * H + h).to(tl.int64) * K * V + off_kv)
+    j0 = tl.load(cu + r)
+    j1 = tl.load(cu + r + 1)
+    kind0 = tl.load(steps + j0.to(tl.int64) * W + 2, mask=j0 < j1, other=0)      # (0 for an empty chain)
+    # a chain whose first step is a cached map from a zero state (the table's promise): that step is its S, no product
+    # (a run from zero is the general step on x = 0, exact)
+    s_first = ((kind0 & _FROM_ZERO) != 0) & ((kind0 & 1) == 0)
+    if s_first:
+        sv = tl.load(steps + j0.to(tl.int64) * W + 1)
+        x = tl.load(sv.to(tl.pointer_type(tl.float32)) + h * (K * V) + off_kv)
+        j0 += 1
+    if (kind0 & _BY_POSITION) != 0:
+        if not s_first:             # the first step as its row names it
+            x = _pair_table_step(x, j0, steps, pairs, F, U, final, ou, s_ot, s_oh, h, rk, rv, tt, ww, off_kk, off_kv,
+                                 H, K, V, W, WF, PW, PREC, EMULATE)
+            j0 += 1
+        # every later step a run, at consecutive run indices from row j0's: no table row read for the maps' addresses
+        # beyond the pair rows themselves
+        i0 = tl.load(steps + j0.to(tl.int64) * W, mask=j0 < j1, other=0) // (H * K * (V + K) * 4)
+        if EMULATE:             # (Triton's interpreter cannot range over loaded bounds)
+            j = j0
+            while j < j1:
+                x = _pair_step(x, j, i0 + j - j0, steps, pairs, F, U, final, ou, s_ot, s_oh, h, rk, rv, tt, ww, off_kk,
+                               off_kv, H, K, V, W, WF, PW, PREC, EMULATE)
+                j += 1
+        else:
+            for j in tl.range(j0, j1, num_stages=STAGES):
+                x = _pair_step(x, j, i0 + j - j0, steps, pairs, F, U, final, ou, s_ot, s_oh, h, rk, rv, tt, ww, off_kk,
+                               off_kv, H, K, V, W, WF, PW, PREC, EMULATE)
+    else:
+        j = j0
+        while j < j1:
+            x = _pair_table_step(x, j, steps, pairs, F, U, final, ou, s_ot, s_oh, h, rk, rv, tt, ww, off_kk, off_kv,
+                                 H, K, V, W, WF, PW, PREC, EMULATE)
+            j += 1
+    tl.store(final + (r * H + h).to(tl.int64) * K * V + off_kv, x)
+
+
+# (value block, warps, pipeline stages) tried on a shape's first eager call; the first is the default
+PAIRS_SCAN_CONFIGS = ((32, 8, 2), (32, 8, 3), (32, 4, 2), (16, 4, 2), (16, 4, 3))
+PAIRS_SCAN_TUNED: dict = {}
+
+
+def scan_pairs(init: torch.Tensor, steps: torch.Tensor, cu: torch.Tensor, pairs: torch.Tensor, factors: torch.Tensor,
+               U: torch.Tensor, outputs: torch.Tensor, *, max_run: int = 16, bv: int | None = None,
+               warps: int | None = None, stages: int | None = None, tune: bool = True,
+               precision: str | None = None) -> torch.Tensor:
+    """The compose pass's chains with each seam run and the cached map after it taken in one step, made in the scan
+    from the run's factors and the map read in place: `pair_lowrank` and `scan_steps(position=True)` in one kernel,
+    no pair's dense map written to memory and read back (the compose pass's PAIRS_IN_SCAN, layers/linear.py).
+
+    init [R, H, K, V] fp32; steps [M, 6] int64 (device), the paired step table `scan_steps` takes (a run's row holds
+    its byte offset i * H * K * (V + K) * 4 in a pairs' buffer this kernel does not read: its index i; a cached map's,
+    the addresses of its own T [H, K, K] and S [H, K, V], fp32 contiguous), STEP_FROM_ZERO and STEP_BY_POSITION flags
+    as there; cu [R + 1] int32 (device); pairs [N, >= 4] int64 (device, rows contiguous), `pair_lowrank`'s table:
+    run i's row holds the addresses of the cached T_e, S_e after it (16-byte aligned; 0: none); factors
+    [N, H, 2 WF + 1, K] and U [N, H, WF, V] fp32 contiguous, the runs' (Kd, W, g) and WY-solved values (reference
+    `run_factors`, `run_values`); outputs [N', H, V + K] (bf16 on CUDA: o_t(0) then u_t), each run's tokens' outputs
+    corrected in place from the state entering the run (runs of at most max_run tokens). A run's step is
+
+        y = g x + Kd^T (U - W x)   (the run from x: T_r x + S_r),   x <- T_e y + S_e   (or y where no map follows)
+
+    the thin products in `precision` (default "tf32x3" on CUDA, "ieee" in Triton's interpreter), the map's product in
+    three tf32 products (`_product3`). Returns final [R, H, K, V]."""
+    r, h, k, v = init.shape
+    n, _, rows, _ = factors.shape
+    wf = (rows - 1) // 2
+    pow2 = lambda m: m >= 16 and m & (m - 1) == 0  # noqa: E731
+    if not (factors.is_contiguous() and U.is_contiguous() and factors.dtype == U.dtype == torch.float32
+            and factors.shape == (n, h, 2 * wf + 1, k) and U.shape == (n, h, wf, v) and pow2(k) and pow2(wf)):
+        raise ValueError("factors [N, H, 2 WF + 1, K], U [N, H, WF, V] fp32 contiguous, K and WF powers of two >= 16")
+    if pairs.dim() != 2 or pairs.shape[1] < 4 or pairs.stride(1) != 1 or pairs.dtype != torch.int64:
+        raise ValueError("pairs must be int64 [N, >= 4] with contiguous rows")
+    if (steps.dim() != 2 or steps.shape[1] < 6 or outputs.shape[1:] != (h, v + k) or outputs.stride(-1) != 1
+            or outputs.stride(1) != v + k):
+        raise ValueError("outputs must be [N, H, V + K] with rows of V + K, and steps need 6 columns")
+    init = init.float().contiguous()
+    final = torch.empty_like(init)
+    prec = precision or ("tf32x3" if init.is_cuda else "ieee")
+    bt = max(16, triton.next_power_of_2(max_run))
+
+    def launch(cfg, o=outputs):
+        b, w, st = cfg
+        COMPILED["pairs_scan"] = _scan_pairs_kernel[(r, h, triton.cdiv(v, b))](
+            init, steps, pairs, factors, U, final, cu, o, o.stride(0), o.stride(1), H=h, K=k, V=v, BV=b,
+            W=steps.shape[1], BT=bt, WF=wf, PW=pairs.stride(0), PREC=prec, STAGES=st if init.is_cuda else 1,
+            EMULATE=not init.is_cuda, num_warps=w)
+
+    fits = [c for c in PAIRS_SCAN_CONFIGS if v % c[0] == 0]
+    cfg = fits[0] if fits else (16, 4, 2)
+    if bv is not None or warps is not None or stages is not None:
+        cfg = (bv or cfg[0], warps or cfg[1], stages or cfg[2])
+    elif tune and fits:
+        scratch = []            # (the outputs are corrected in place: trials on a copy, as scan_steps')
+
+        def trial(c):
+            if scratch:
+                scratch[0].copy_(outputs)
+            else:
+                scratch.append(outputs.clone())
+            launch(c, scratch[0])
+
+        cfg = tuned_config(PAIRS_SCAN_TUNED, (r, h, k, v, wf, prec), fits, init.device, trial, final, cfg, 1e-5)
+    if v % cfg[0]:
+        raise ValueError(f"value blocks of {cfg[0]} must tile V = {v}")
+    launch(cfg)
+    return final
 
 
 @triton.jit
