@@ -1458,6 +1458,7 @@ cg.COPY_BY_ADDRESS = True                      # the fill's packing through the 
 # (in_scan: the pairs made inside the chain scan, PAIRS_IN_SCAN: no pair kernel launched; with the query's pieces in
 # the chain too, no tail, the last runs alone)
 from hypic.ops import triton_scan
+in_scan0 = lin.PAIRS_IN_SCAN                   # (the default, restored after)
 launched, _pair_lowrank, _scan_pairs = [], triton_scan.pair_lowrank, triton_scan.scan_pairs
 triton_scan.pair_lowrank = lambda *a, **kw: launched.append("pairs") or _pair_lowrank(*a, **kw)
 triton_scan.scan_pairs = lambda *a, **kw: launched.append("scan_pairs") or _scan_pairs(*a, **kw)
@@ -1495,7 +1496,8 @@ for factored, paired, skip, sub, tail, in_scan in (
     assert last.tail == (-(-41 // sub) if tail else 0), (last, sub, tail)          # the query's runs (pieces of sub)
     if sub > 16:                # the longest run of the last request (41 tokens) in one or two pieces (the pads too)
         assert last.lmax == 32 if sub == 32 else last.lmax > 32, last
-lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = lin.PAIRS_IN_SCAN = False
+lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
+lin.PAIRS_IN_SCAN = in_scan0
 triton_scan.pair_lowrank, triton_scan.scan_pairs = _pair_lowrank, _scan_pairs
 fast._import_kernel.cache_clear()
 cg.SUB_RUN, cg.QUERY_TAIL = 16, 0
@@ -1582,7 +1584,8 @@ def test_triton_attention_forms_in_interpreter():
     splits folded by a kernel, each row block's visible prefix split evenly, the value columns over two programs) on
     the compose pass's layout (sorted keys, seam queries at segment starts, a query tail, pads at position 0, unseen
     bucket keys), at key blocks of 16 so that whole blocks precede each row block's first seam: each equal to the
-    reference to fp32 rounding (1e-5), and unsorted keys through the fold and the value split alike."""
+    reference to fp32 rounding (1e-5), and unsorted keys through the fold and the value split alike; the fold with
+    its split count a compile-time constant and as a run-time loop (more splits than FOLD_UNROLL)."""
     code = """
 import itertools, torch
 from hypic.ops.triton_attention import position_attention
@@ -1610,6 +1613,13 @@ for d, dv, h, hkv in ((32, 32, 4, 2), (24, 16, 4, 1)):
     for fold, vs in ((False, 1), (True, 2)):
         o = position_attention(q, k[perm], v[perm], qp, kp[perm], scale=0.3, fused_fold=fold, vsplit=vs, splits=3)
         assert float((o - r).abs().max()) < 1e-5, (d, dv, fold, vs)
+    # the fold's run-time loop, for more splits than FOLD_UNROLL (the unrolled form above): here past 2
+    from hypic.ops import triton_attention
+    triton_attention.FOLD_UNROLL = 2
+    for sp in (3, 7):
+        o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, fused_fold=True, splits=sp, block_n=16)
+        assert float((o - r).abs().max()) < 1e-5, (d, dv, "fold by a run-time loop", sp)
+    triton_attention.FOLD_UNROLL = 32
 print("ok")
 """
     _run_in_interpreter(code)

@@ -168,9 +168,9 @@ class LinearMixer(nn.Module):
                 # layers of one state shape (they run one after another)
                 buf["factor_width"] = factor_width(shape.lmax)
                 key = ("pair_maps", h, k, v)
-                if key not in shared:
+                if key not in shared and not PAIRS_IN_SCAN:     # (made inside the scan: only if that kernel fails)
                     shared[key] = torch.empty(shape.runs, h, k, v + k, device=device)
-                buf["pair_maps"] = shared[key]
+                buf["pair_maps"] = shared.get(key)
             elif RUN_FACTORS and self.factored_runs(shape.lmax):
                 buf["factor_width"] = factor_width(shape.lmax)
         else:
@@ -384,6 +384,9 @@ class LinearMixer(nn.Module):
                     runs = None
                 else:
                     pairs = buf["pairs"][: sh.runs - sh.tail]          # (not the tail's runs: no chain reads them)
+                    if buf["pair_maps"] is None:        # (not made with the buffers: the pairs were the scan's)
+                        buf["pair_maps"] = torch.empty(sh.runs, *self.state_shape[:2], sum(self.state_shape[1:]),
+                                                       device=o0.device)
                     runs = kern(pairs, factors, runs, buf["pair_maps"], skip_marked=SKIP_PAD_PAIRS and fused)
             except Exception as err:
                 kernel_failed("pairs", err)
@@ -898,7 +901,12 @@ SKIP_PAD_PAIRS = False
 # The pairs made inside the chain scan (ops/triton_scan.scan_pairs, fortieth session): each step takes a seam run from
 # its factors and values, y = g x + Kd^T (U - W x), then the cached map after it read in place, T_e y + S_e, so the
 # pair kernel's [c | M] (~84 MB a layer at the warm 35B request) is neither written nor read back and its launch goes.
-# Needs the scan's fused correction (FUSE_CORRECTION). gpu_bench's variant `pairs_in_scan` (`pairs_apart` once on).
+# Needs the scan's fused correction (FUSE_CORRECTION). H100 run 127 (scan_bench, the 24-step chain alone): 264.9 us a
+# layer against 286.7 for the pair kernel (126.4) and the walk by position (160.3); correct on the device
+# (`test_triton_scan_pairs_matches_fp64`). Off until the warm request measures it (gpu_bench's variant
+# `pairs_in_scan`; runs 127-128 stalled before it): in the request the walk by position took ~4.5 us a step (run 126)
+# against ~6.7 alone, likely from the pairs' maps just written and still in L2, which the fused step, reading the
+# cached maps from memory, cannot have: ~19 fused steps of ~10 us could cost more than the 167 us they replace.
 PAIRS_IN_SCAN = False
 # A request without a cached prefix: its chain's first step marked as from zero (compose/scan.py STEP_FROM_ZERO), so the
 # scan takes its S without the product T 0 (one step of the warm 35B request's ~20 a layer; the same result to the

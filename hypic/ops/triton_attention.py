@@ -163,27 +163,46 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
 
 
 @triton.jit
-def _fold_kernel(acc, m, l, out, nrows, H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr,
+def _fold_split(acc, m, l, s, hk, rows, dv, ok, mo, mx, den, o, nrows, HKV: tl.constexpr, DV: tl.constexpr):
+    """Split s's partials added to the fold's sums (weights exp(m - mx); a split that saw nothing: m = -inf, 0)."""
+    at = (s * HKV + hk).to(tl.int64) * nrows + rows
+    w = tl.exp(tl.load(m + at, mask=ok, other=float("-inf")) - mx)
+    den += w * tl.load(l + at, mask=ok, other=0.0)
+    o += w[:, None] * tl.load(acc + at[:, None] * DV + dv[None, :], mask=mo, other=0.0)
+    return den, o
+
+
+@triton.jit
+def _fold_kernel(acc, m, l, out, nrows, n_splits, H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr,
                  DV: tl.constexpr, BR: tl.constexpr, BDV: tl.constexpr, SPLITS: tl.constexpr):
     """The splits' partial outputs folded (log-sum-exp weights) and written as [Nq, H, Dv] in out's dtype: program
-    (row block, kv head, value block). The split count a compile-time constant (39th session: the loops unrolled, so
-    the splits' loads need not wait on each other; a run-time count before)."""
+    (row block, kv head, value block). SPLITS > 0: the split count as a compile-time constant (39th session: the loops
+    unrolled, so the splits' loads need not wait on each other); 0: a run-time loop over n_splits (the form before,
+    kept for many splits: `FOLD_UNROLL`)."""
     hk = tl.program_id(1)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     dv = tl.program_id(2) * BDV + tl.arange(0, BDV)
     ok = rows < nrows
     mo = ok[:, None] & (dv < DV)[None, :]
     mx = tl.full([BR], float("-inf"), tl.float32)
-    for s in tl.static_range(SPLITS):
-        mx = tl.maximum(mx, tl.load(m + (s * HKV + hk).to(tl.int64) * nrows + rows, mask=ok, other=float("-inf")))
-    mx = tl.where(mx == float("-inf"), 0.0, mx)         # (a row no split saw: no row of the compose pass)
     den = tl.zeros([BR], tl.float32)
     o = tl.zeros([BR, BDV], tl.float32)
-    for s in tl.static_range(SPLITS):
-        at = (s * HKV + hk).to(tl.int64) * nrows + rows
-        w = tl.exp(tl.load(m + at, mask=ok, other=float("-inf")) - mx)      # a split that saw nothing: m = -inf, 0
-        den += w * tl.load(l + at, mask=ok, other=0.0)
-        o += w[:, None] * tl.load(acc + at[:, None] * DV + dv[None, :], mask=mo, other=0.0)
+    if SPLITS > 0:
+        for s in tl.static_range(SPLITS):
+            mx = tl.maximum(mx, tl.load(m + (s * HKV + hk).to(tl.int64) * nrows + rows, mask=ok, other=float("-inf")))
+        mx = tl.where(mx == float("-inf"), 0.0, mx)         # (a row no split saw: no row of the compose pass)
+        for s in tl.static_range(SPLITS):
+            den, o = _fold_split(acc, m, l, s, hk, rows, dv, ok, mo, mx, den, o, nrows, HKV, DV)
+    else:                   # (while loops: Triton's interpreter cannot range over an argument)
+        s = 0
+        while s < n_splits:
+            mx = tl.maximum(mx, tl.load(m + (s * HKV + hk).to(tl.int64) * nrows + rows, mask=ok, other=float("-inf")))
+            s += 1
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        s = 0
+        while s < n_splits:
+            den, o = _fold_split(acc, m, l, s, hk, rows, dv, ok, mo, mx, den, o, nrows, HKV, DV)
+            s += 1
     o = o / tl.where(ok, den, 1.0)[:, None]
     qi = rows // REP
     head = hk * REP + rows % REP
@@ -208,6 +227,11 @@ VSPLIT = 1
 # against 373.5); 8 and 32 slower. In the warm request (H100 run 126, paired): -0.09 ms, partials -212 us and the
 # fold +142 us over 10 layers (the fold's split loop then a run-time one). gpu_bench's variant `attention_splits_2`
 PROGRAMS_PER_SM = 4
+# the fold's loops unrolled up to this many splits (a compile-time split count), a run-time loop above. A call with
+# few rows (the last layer's logits row alone: one row block) takes ~128 splits, and the fold unrolled 128 times took
+# minutes to build for sm_90a (64 splits: 19 s, 255 registers and spills; 33: 200 registers), which stalled H100 runs
+# 127-128 in their first compose pass (fortieth session)
+FOLD_UNROLL = 32
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
@@ -262,7 +286,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
         out = q.new_empty((nq, h, dv))
         br, bf = 16, min(128, max(16, triton.next_power_of_2(dv)))
         _fold_kernel[(triton.cdiv(nrows, br), hkv, triton.cdiv(dv, bf))](
-            acc, m, l, out, nrows, H=h, HKV=hkv, REP=rep, DV=dv, BR=br, BDV=bf, SPLITS=splits, num_warps=4)
+            acc, m, l, out, nrows, splits, H=h, HKV=hkv, REP=rep, DV=dv, BR=br, BDV=bf,
+            SPLITS=splits if splits <= FOLD_UNROLL else 0, num_warps=4)
         return out
     w = torch.exp(m - m.amax(0, keepdim=True))                   # splits a row cannot see: m = -inf, w = 0
     out = (acc * w[..., None]).sum(0) / (l * w).sum(0)[..., None]   # [Hkv, Nq * rep, Dv]
