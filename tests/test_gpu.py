@@ -502,7 +502,8 @@ def test_position_attention_with_other_value_dim_on_cuda():
 
 @cuda
 def test_triton_position_attention_matches_reference():
-    """bf16 operands, fp32 softmax: the bound of the other bf16 attention checks (gpu_check.py)."""
+    """bf16 operands, fp32 softmax: the bound of the other bf16 attention checks (gpu_check.py). Split counts from the
+    rule (20 here), 1, 7 and 40 (more than FOLD_UNROLL: the fold's run-time loop)."""
     pytest.importorskip("triton")
     from hypic.ops import triton_attention
 
@@ -515,14 +516,14 @@ def test_triton_position_attention_matches_reference():
     qpos = torch.randint(0, nk, (nq,), device="cuda", generator=g)
     kpos[0], qpos[0] = 0, 0
     o0 = ref.position_attention(q.double(), k.double(), v.double(), qpos, kpos, scale=d ** -0.5)
-    for splits in (None, 1, 7):
+    for splits in (None, 1, 7, 40):
         o1 = triton_attention.position_attention(q, k, v, qpos, kpos, scale=d ** -0.5, splits=splits)
         assert rel(o1, o0) < 2e-2
     o2 = fast.position_attention(q, k, v, qpos, kpos, scale=d ** -0.5)        # the backend takes it
     assert rel(o2, o0) < 2e-2
     kp2, qp2 = torch.arange(nk, device="cuda"), torch.randint(0, nk, (nq,), device="cuda", generator=g)
     o3 = ref.position_attention(q.double(), k.double(), v.double(), qp2, kp2, scale=d ** -0.5)
-    for splits in (None, 1, 7):
+    for splits in (None, 1, 7, 40):
         o4 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, splits=splits)
         assert rel(o4, o3) < 2e-2
 
