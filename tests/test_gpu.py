@@ -1700,6 +1700,28 @@ print("ok")
     _run_in_interpreter(code)
 
 
+# interpreter-test code (needs g, H, K, V, WF, lens): runs of `lens` tokens summarized by the reference recurrence from
+# [0 | I] (dense [S | T] [R, H, K, V + K]), their factors F by reference `run_factors` and U (the WY-solved values) by
+# the same triangular system
+_RUNS_WITH_FACTORS = """
+n = sum(lens)
+k = torch.nn.functional.normalize(torch.randn(1, n, H, K, generator=g), dim=-1)
+q = torch.randn(1, n, H, K, generator=g)
+v = torch.randn(1, n, H, V, generator=g)
+gl = torch.empty(1, n, H).uniform_(math.log(0.5), 0, generator=g)
+beta = torch.rand(1, n, H, generator=g)
+cu_t = torch.tensor([0] + lens).cumsum(0)
+_, _, dense = recurrent_gated_delta_summary(q, k, v, gl, beta, cu_seqlens=cu_t)      # [R, H, K, V + K] fp32
+F = run_factors(k, gl, beta, cu_t, WF).contiguous()
+U = torch.zeros(len(lens), H, WF, V)
+for i, (a, b) in enumerate(zip(cu_t[:-1].tolist(), cu_t[1:].tolist())):
+    kk, gg, bb = k[0, a:b].transpose(0, 1), gl[0, a:b].transpose(0, 1), beta[0, a:b].transpose(0, 1)
+    _, _, system = _ut_system(kk[None], gg[None], bb[None])
+    U[i, :, : b - a] = torch.linalg.solve_triangular(system[0], bb[..., None] * v[0, a:b].transpose(0, 1), upper=False,
+                                                     unitriangular=True)
+"""
+
+
 @needs_triton
 def test_triton_pair_lowrank_in_interpreter():
     """Seam runs composed with the cached map after them from the runs' low-rank factors (ops/triton_scan.pair_lowrank,
@@ -1717,21 +1739,7 @@ from hypic.ops.reference.gated_delta import recurrent_gated_delta_summary, run_f
 g = torch.Generator().manual_seed(0)
 H, K, V, WF = 2, 32, 16, 16
 lens = [5, 8, 16]
-n = sum(lens)
-k = torch.nn.functional.normalize(torch.randn(1, n, H, K, generator=g), dim=-1)
-q = torch.randn(1, n, H, K, generator=g)
-v = torch.randn(1, n, H, V, generator=g)
-gl = torch.empty(1, n, H).uniform_(math.log(0.5), 0, generator=g)
-beta = torch.rand(1, n, H, generator=g)
-cu = torch.tensor([0] + lens).cumsum(0)
-_, _, dense = recurrent_gated_delta_summary(q, k, v, gl, beta, cu_seqlens=cu)      # [R, H, K, V + K] fp32
-F = run_factors(k, gl, beta, cu, WF)
-U = torch.zeros(len(lens), H, WF, V)
-for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-    kk, gg, bb = k[0, a:b].transpose(0, 1), gl[0, a:b].transpose(0, 1), beta[0, a:b].transpose(0, 1)
-    _, _, system = _ut_system(kk[None], gg[None], bb[None])
-    U[i, :, : b - a] = torch.linalg.solve_triangular(system[0], bb[..., None] * v[0, a:b].transpose(0, 1), upper=False,
-                                                     unitriangular=True)
+""" + _RUNS_WITH_FACTORS + """
 Te = torch.randn(2, H, K, K, generator=g) / K ** .5
 Se = torch.randn(2, H, K, V, generator=g)
 pairs = torch.tensor([[Te[0].data_ptr(), Se[0].data_ptr(), 0, 0], [Te[1].data_ptr(), Se[1].data_ptr(), 2, 0],
@@ -1787,21 +1795,7 @@ from hypic.ops.reference.gated_delta import recurrent_gated_delta_summary, run_f
 g = torch.Generator().manual_seed(0)
 H, K, V, WF = 2, 32, 32, 16
 lens = [5, 8, 16, 8]
-n = sum(lens)
-k = torch.nn.functional.normalize(torch.randn(1, n, H, K, generator=g), dim=-1)
-q = torch.randn(1, n, H, K, generator=g)
-v = torch.randn(1, n, H, V, generator=g)
-gl = torch.empty(1, n, H).uniform_(math.log(0.5), 0, generator=g)
-beta = torch.rand(1, n, H, generator=g)
-cu_t = torch.tensor([0] + lens).cumsum(0)
-_, _, dense = recurrent_gated_delta_summary(q, k, v, gl, beta, cu_seqlens=cu_t)      # [R, H, K, V + K] fp32
-F = run_factors(k, gl, beta, cu_t, WF).contiguous()
-U = torch.zeros(len(lens), H, WF, V)
-for i, (a, b) in enumerate(zip(cu_t[:-1].tolist(), cu_t[1:].tolist())):
-    kk, gg, bb = k[0, a:b].transpose(0, 1), gl[0, a:b].transpose(0, 1), beta[0, a:b].transpose(0, 1)
-    _, _, system = _ut_system(kk[None], gg[None], bb[None])
-    U[i, :, : b - a] = torch.linalg.solve_triangular(system[0], bb[..., None] * v[0, a:b].transpose(0, 1), upper=False,
-                                                     unitriangular=True)
+""" + _RUNS_WITH_FACTORS + """
 T_e = [torch.randn(H, K, K, generator=g) / K ** .5 * .9 for _ in range(3)]
 S_e = [torch.randn(H, K, V, generator=g) for _ in range(3)]
 after = [1, None, 2, 0]                                   # the cached map after each run (run 1: none)
