@@ -1024,8 +1024,9 @@ def test_triton_scan_in_triton_interpreter():
     runs read in place, the compose pass's step table and two chains, runs' transitions dense or factored),
     the split-K position attention, the zero-start summary of short runs (dense or factored transitions) and
     the gathered conv, the few-rows MoE kernel and the attention operands' placing and ordering (fp32 bit for bit; bf16 within
-    the interpreter's truncating casts) run in Triton's CPU interpreter against the fp64 references; a whole compose pass through those kernels equals the planned walk, and so does
-    one with every kernel marked as failed to build (their PyTorch forms; a subprocess: the interpreter
+    the interpreter's truncating casts) run in Triton's CPU interpreter against the fp64 references; a whole compose pass through those kernels equals the planned walk (its
+    runs dense, factored, paired by the pair kernel or inside the scan, PAIRS_IN_SCAN), and so does one with every
+    kernel marked as failed to build (their PyTorch forms; a subprocess: the interpreter
     is chosen when triton is imported)."""
     import importlib.util
 
