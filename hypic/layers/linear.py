@@ -361,12 +361,14 @@ class LinearMixer(nn.Module):
         dv = o0.shape[-1]
         fused = (FUSE_CORRECTION and u.data_ptr() == o0.data_ptr() + dv * o0.element_size()
                  and u.stride() == o0.stride() and o0.stride(1) == dv + u.shape[-1])
+        # (fused: the summary's [N, H, V + K] outputs, o0 and u its two column ranges, which the scan corrects in place)
+        full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1)) \
+            if fused else None
         if paired and fused and PAIRS_IN_SCAN and "steps" in buf:
             # the pairs made inside the scan (ops/triton_scan.scan_pairs): each run from its factors and values, then
             # the cached map after it read in place; no pair's map written to the shared buffer and read back
             kern = triton_kernel("scan_pairs")
             if kern is not None:
-                full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1))
                 try:
                     final = kern(buf["init"][:1], buf["steps"], c.cu_pairs[:2], buf["pairs"][: sh.runs - sh.tail],
                                  factors, runs, full, max_run=sh.lmax)
@@ -394,8 +396,6 @@ class LinearMixer(nn.Module):
             if runs is not None:
                 factors, cu_maps = None, c.cu_pairs
         if runs is not None and "steps" in buf and triton_kernel("steps") is not None:
-            full = o0.as_strided((o0.shape[0], o0.shape[1], dv + u.shape[-1]), (o0.stride(0), o0.stride(1), 1)) \
-                if fused else None
             # fused, the pad runs need no chain (their outputs only need to be finite, and are from zero): the
             # request's chain alone (the pad chain's 128 programs took half the SMs of the first wave, H200 run 34)
             chains = 1 if fused else 2

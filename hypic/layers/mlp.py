@@ -31,7 +31,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.limit = limit
 
-    def forward(self, x):
+    def forward(self, x, rows=None):
+        """rows: as the MoE blocks take it (padding from that row on); a dense MLP treats every row alike, so a
+        decoder layer calls its MLP one way whichever it holds."""
         if self.limit is not None:
             return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -57,8 +57,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         p = cfg.params
         self.self_attn = full(cfg, i, ops, rotary) if cfg.layer_types[i] == FULL else linear(cfg, i, ops)
-        self.moe = i in p.moe_layers
-        self.mlp = KimiMoe(cfg, ops) if self.moe else MLP(cfg.hidden_size, p.intermediate_size)
+        self.mlp = KimiMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
         self.input_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -69,7 +68,7 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = batch.kept(h + self.self_attn(self.input_layernorm(h), batch))
         x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, batch.padding_from(x)) if self.moe else self.mlp(x))
+        return h + self.mlp(x, batch.padding_from(x))
 
 
 class KimiLinearForCausalLM(CausalLM):

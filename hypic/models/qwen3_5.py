@@ -30,8 +30,7 @@ class DecoderLayer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(cfg, i, ops)
         p = cfg.params
-        self.moe = i in p.moe_layers
-        self.mlp = SparseMoe(cfg, ops) if self.moe else MLP(cfg.hidden_size, p.intermediate_size)
+        self.mlp = SparseMoe(cfg, ops) if i in p.moe_layers else MLP(cfg.hidden_size, p.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -42,7 +41,7 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         m = self.state_mixer(self.input_layernorm(h), batch)
         h, x = self.post_attention_layernorm.add(batch.kept(h), batch.kept(m))      # the residual add with the norm
-        return h + (self.mlp(x, batch.padding_from(x)) if self.moe else self.mlp(x))
+        return h + self.mlp(x, batch.padding_from(x))
 
 
 class HybridForCausalLM(CausalLM):

@@ -163,6 +163,12 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
 
 
 @triton.jit
+def _fold_max(m, s, hk, rows, ok, mx, nrows, HKV: tl.constexpr):
+    """The running maximum of the rows' log-sum-exp offsets with split s's."""
+    return tl.maximum(mx, tl.load(m + (s * HKV + hk).to(tl.int64) * nrows + rows, mask=ok, other=float("-inf")))
+
+
+@triton.jit
 def _fold_split(acc, m, l, s, hk, rows, dv, ok, mo, mx, den, o, nrows, HKV: tl.constexpr, DV: tl.constexpr):
     """Split s's partials added to the fold's sums (weights exp(m - mx); a split that saw nothing: m = -inf, 0)."""
     at = (s * HKV + hk).to(tl.int64) * nrows + rows
@@ -189,14 +195,14 @@ def _fold_kernel(acc, m, l, out, nrows, n_splits, H: tl.constexpr, HKV: tl.const
     o = tl.zeros([BR, BDV], tl.float32)
     if SPLITS > 0:
         for s in tl.static_range(SPLITS):
-            mx = tl.maximum(mx, tl.load(m + (s * HKV + hk).to(tl.int64) * nrows + rows, mask=ok, other=float("-inf")))
+            mx = _fold_max(m, s, hk, rows, ok, mx, nrows, HKV)
         mx = tl.where(mx == float("-inf"), 0.0, mx)         # (a row no split saw: no row of the compose pass)
         for s in tl.static_range(SPLITS):
             den, o = _fold_split(acc, m, l, s, hk, rows, dv, ok, mo, mx, den, o, nrows, HKV, DV)
     else:                   # (while loops: Triton's interpreter cannot range over an argument)
         s = 0
         while s < n_splits:
-            mx = tl.maximum(mx, tl.load(m + (s * HKV + hk).to(tl.int64) * nrows + rows, mask=ok, other=float("-inf")))
+            mx = _fold_max(m, s, hk, rows, ok, mx, nrows, HKV)
             s += 1
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         s = 0
