@@ -103,9 +103,9 @@ def other_builds():
                      FULL_FAST=ff, BALANCE=bal, VSPLIT=1)
         rows.append(("attention", f"full_fast {ff}, balance {bal}, D {d} / Dv {dv}",
                      kernel_build(ta._partial_kernel, att, const, 8, 2)))
-    # (the split count a constant since the 39th session: 2, 4 and 8 programs an SM; 0: the run-time loop, for more
-    # than ta.FOLD_UNROLL splits)
-    for splits in (9, 17, ta.FOLD_UNROLL, 0):
+    # (the split count a constant since the 39th session, rounded up to ta.FOLD_BUCKET since the 41st: 2, 4 and 8
+    # programs an SM; 0: the run-time loop, for more than ta.FOLD_UNROLL splits)
+    for splits in (ta._fold_splits(9), ta._fold_splits(17), ta.FOLD_UNROLL, 0):
         rows.append(("attention fold", f"BR 16, BDV 128, {splits or 'a run-time count of'} splits", kernel_build(
             ta._fold_kernel, dict(acc="*fp32", m="*fp32", l="*fp32", out="*bf16", nrows="i32", n_splits="i32"),
             dict(H=16, HKV=2, REP=8, DV=256, BR=16, BDV=128, SPLITS=splits), 4)))

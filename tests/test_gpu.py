@@ -1587,7 +1587,8 @@ def test_triton_attention_forms_in_interpreter():
     the compose pass's layout (sorted keys, seam queries at segment starts, a query tail, pads at position 0, unseen
     bucket keys), at key blocks of 16 so that whole blocks precede each row block's first seam: each equal to the
     reference to fp32 rounding (1e-5), and unsorted keys through the fold and the value split alike; the fold with
-    its split count a compile-time constant and as a run-time loop (more splits than FOLD_UNROLL)."""
+    its split count a compile-time constant (rounded up to FOLD_BUCKET, the splits past the call's masked: five build
+    counts for 1-39 splits) and as a run-time loop (more splits than FOLD_UNROLL)."""
     code = """
 import itertools, torch
 from hypic.ops.triton_attention import position_attention
@@ -1615,13 +1616,17 @@ for d, dv, h, hkv in ((32, 32, 4, 2), (24, 16, 4, 1)):
     for fold, vs in ((False, 1), (True, 2)):
         o = position_attention(q, k[perm], v[perm], qp, kp[perm], scale=0.3, fused_fold=fold, vsplit=vs, splits=3)
         assert float((o - r).abs().max()) < 1e-5, (d, dv, fold, vs)
-    # the fold's run-time loop, for more splits than FOLD_UNROLL (the unrolled form above): here past 2
+    # the fold's run-time loop, for more splits than FOLD_UNROLL (the unrolled form above, its compile-time count
+    # rounded up to FOLD_BUCKET with the rest masked: 3 splits fold as 8): here past 2
     from hypic.ops import triton_attention
     triton_attention.FOLD_UNROLL = 2
     for sp in (3, 7):
         o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, fused_fold=True, splits=sp, block_n=16)
         assert float((o - r).abs().max()) < 1e-5, (d, dv, "fold by a run-time loop", sp)
     triton_attention.FOLD_UNROLL = 32
+builds = [triton_attention._fold_splits(n) for n in range(1, 40)]
+assert sorted(set(builds)) == [0, 8, 16, 24, 32], builds
+assert all(b >= n for n, b in zip(range(1, 33), builds)) and builds[32:] == [0] * 7, builds
 print("ok")
 """
     _run_in_interpreter(code)

@@ -182,9 +182,9 @@ def _fold_split(acc, m, l, s, hk, rows, dv, ok, mo, mx, den, o, nrows, HKV: tl.c
 def _fold_kernel(acc, m, l, out, nrows, n_splits, H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr,
                  DV: tl.constexpr, BR: tl.constexpr, BDV: tl.constexpr, SPLITS: tl.constexpr):
     """The splits' partial outputs folded (log-sum-exp weights) and written as [Nq, H, Dv] in out's dtype: program
-    (row block, kv head, value block). SPLITS > 0: the split count as a compile-time constant (39th session: the loops
-    unrolled, so the splits' loads need not wait on each other); 0: a run-time loop over n_splits (the form before,
-    kept for many splits: `FOLD_UNROLL`)."""
+    (row block, kv head, value block). SPLITS > 0: the split count rounded up to a multiple of `FOLD_BUCKET` as a
+    compile-time constant, the splits past n_splits masked (39th session: the loops unrolled, so the splits' loads need
+    not wait on each other); 0: a run-time loop over n_splits (the form before, kept for many splits: `FOLD_UNROLL`)."""
     hk = tl.program_id(1)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     dv = tl.program_id(2) * BDV + tl.arange(0, BDV)
@@ -193,12 +193,13 @@ def _fold_kernel(acc, m, l, out, nrows, n_splits, H: tl.constexpr, HKV: tl.const
     mx = tl.full([BR], float("-inf"), tl.float32)
     den = tl.zeros([BR], tl.float32)
     o = tl.zeros([BR, BDV], tl.float32)
-    if SPLITS > 0:
+    if SPLITS > 0:                          # (SPLITS >= n_splits: the splits past n_splits masked off)
         for s in tl.static_range(SPLITS):
-            mx = _fold_max(m, s, hk, rows, ok, mx, nrows, HKV)
+            mx = _fold_max(m, s, hk, rows, ok & (s < n_splits), mx, nrows, HKV)
         mx = tl.where(mx == float("-inf"), 0.0, mx)         # (a row no split saw: no row of the compose pass)
         for s in tl.static_range(SPLITS):
-            den, o = _fold_split(acc, m, l, s, hk, rows, dv, ok, mo, mx, den, o, nrows, HKV, DV)
+            live = s < n_splits
+            den, o = _fold_split(acc, m, l, s, hk, rows, dv, ok & live, mo & live, mx, den, o, nrows, HKV, DV)
     else:                   # (while loops: Triton's interpreter cannot range over an argument)
         s = 0
         while s < n_splits:
@@ -238,6 +239,16 @@ PROGRAMS_PER_SM = 4
 # minutes to build for sm_90a (64 splits: 19 s, 255 registers and spills; 33: 200 registers), which stalled H100 runs
 # 127-128 in their first compose pass (fortieth session)
 FOLD_UNROLL = 32
+# the unrolled fold's compile-time split count: the call's count rounded up to a multiple of this, the rest masked, so
+# that a server meeting every count up to FOLD_UNROLL builds the fold FOLD_UNROLL / FOLD_BUCKET times, not once per
+# count (0.3-2 s each for sm_90a on the CPU of this project's machines; forty-first session)
+FOLD_BUCKET = 8
+
+
+def _fold_splits(splits: int) -> int:
+    """The fold's compile-time split count for a call of `splits`: rounded up to a multiple of FOLD_BUCKET, or 0 (a
+    run-time loop) past FOLD_UNROLL."""
+    return -(-splits // FOLD_BUCKET) * FOLD_BUCKET if splits <= FOLD_UNROLL else 0
 
 
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
@@ -293,7 +304,7 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
         br, bf = 16, min(128, max(16, triton.next_power_of_2(dv)))
         _fold_kernel[(triton.cdiv(nrows, br), hkv, triton.cdiv(dv, bf))](
             acc, m, l, out, nrows, splits, H=h, HKV=hkv, REP=rep, DV=dv, BR=br, BDV=bf,
-            SPLITS=splits if splits <= FOLD_UNROLL else 0, num_warps=4)
+            SPLITS=_fold_splits(splits), num_warps=4)
         return out
     w = torch.exp(m - m.amax(0, keepdim=True))                   # splits a row cannot see: m = -inf, w = 0
     out = (acc * w[..., None]).sum(0) / (l * w).sum(0)[..., None]   # [Hkv, Nq * rep, Dv]
