@@ -22,14 +22,38 @@ mkdir -p "$OUT"
 # fla's chunk kernels 20-60% slower than in run 41, which tuned in-process: the likely cause, untested).
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
+# Compiled kernels of an earlier call, carried as .data/triton_cache.tgz.part* (carry .data): a fresh machine then loads
+# each unchanged kernel's cubin instead of building it (a fresh H100's bench spent ~200 s more than a warm one's, runs
+# 126-128). Triton finds a kernel by its source, options and target (an H100's sm_90 builds serve the H200), keeps the
+# files of its group that exist, and needs only the metadata (.json) and the cubin: the IR texts are left out. Restored
+# under the same TRITON_CACHE_DIR (the groups name absolute paths). Saved to $OUT at the end as parts of <= 15 MiB; a
+# cache over 45 MiB compressed is not saved (the device tool brings back 64 MiB in all).
+if ls .data/triton_cache.tgz.part* >/dev/null 2>&1 && [ -z "${FRESH_CACHE:-}" ]; then
+  cat .data/triton_cache.tgz.part* | tar -xzf - -C / && echo "triton cache restored: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels"
+fi
+save_cache() {
+  local tgz=/tmp/triton_cache.tgz
+  (cd / && find "${TRITON_CACHE_DIR#/}" -type f \( -name '*.cubin' -o -name '*.so' -o -name '*.json' \) \
+     ! -name '*.autotune.json' | tar -czf "$tgz" -T -) || return
+  local size; size=$(stat -c %s "$tgz")
+  rm -f "$OUT"/triton_cache.tgz.part*
+  if [ "$size" -le $((45 << 20)) ]; then
+    split -b 15m -d "$tgz" "$OUT/triton_cache.tgz.part"
+    echo "triton cache saved: $((size >> 20)) MiB, $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels"
+  else
+    echo "triton cache not saved: $((size >> 20)) MiB compressed (over 45)"
+  fi
+}
 if [ "$1" = tests ]; then
   export TRITON_CACHE_AUTOTUNING=1
   [ -f .data/triton_autotune.tar ] && tar -xf .data/triton_autotune.tar -C "$TRITON_CACHE_DIR"
   save_autotune() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -cf "$OUT/triton_autotune.tar" -T -); }
-  trap save_autotune EXIT
+  trap 'save_autotune; save_cache' EXIT
 else
   unset TRITON_CACHE_AUTOTUNING
+  trap save_cache EXIT
 fi
+trap 'exit 143' TERM              # (a timeout's SIGTERM: exit through the EXIT trap, so the cache built so far is saved)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 what=$1; shift
 case $what in
