@@ -27,7 +27,8 @@ mkdir -p "$TRITON_CACHE_DIR"
 # 126-128). Triton finds a kernel by its source, options and target (an H100's sm_90 builds serve the H200), keeps the
 # files of its group that exist, and needs only the metadata (.json) and the cubin: the IR texts are left out. Restored
 # under the same TRITON_CACHE_DIR (the groups name absolute paths). Saved to $OUT at the end as parts of <= 15 MiB; a
-# cache over 45 MiB compressed is not saved (the device tool brings back 64 MiB in all).
+# cache over 45 MiB compressed is not saved (the device tool brings back 64 MiB in all). FRESH_CACHE=1: build everything
+# (a timing of the builds themselves).
 if ls .data/triton_cache.tgz.part* >/dev/null 2>&1 && [ -z "${FRESH_CACHE:-}" ]; then
   cat .data/triton_cache.tgz.part* | tar -xzf - -C / && echo "triton cache restored: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels"
 fi
