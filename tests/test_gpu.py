@@ -1498,6 +1498,24 @@ for factored, paired, skip, sub, tail, in_scan in (
     assert last.tail == (-(-41 // sub) if tail else 0), (last, sub, tail)          # the query's runs (pieces of sub)
     if sub > 16:                # the longest run of the last request (41 tokens) in one or two pieces (the pads too)
         assert last.lmax == 32 if sub == 32 else last.lmax > 32, last
+# the pairs made inside the scan, whose kernel fails: the pair kernel and the chain scan from then on, into one pairs'
+# buffer for all the layers of a shape, made at that pass (as the switch off makes it with the buffers)
+def _fails(*a, **kw):
+    raise RuntimeError("a build that failed")
+triton_scan.scan_pairs = _fails
+fast._import_kernel.cache_clear()
+lin.RUN_FACTORS, lin.LOWRANK_PAIRS, lin.SKIP_PAD_PAIRS, lin.PAIRS_IN_SCAN = False, True, False, True
+cg.SUB_RUN, cg.QUERY_TAIL = 16, 64
+llm = LLM("tiny-qwen3.5", device="cpu", dtype="float32", compose="static", seed=0)
+launched.clear()
+got = [llm.generate([p], sp)[0] for p in ps]
+assert fast.FAILED == {"scan_pairs"} and set(launched) == {"pairs"}, (fast.FAILED, launched)
+for a, b in zip(out["eager"], got):
+    assert a.token_ids == b.token_ids and float((a.logits - b.logits).abs().max()) < 1e-4
+for bufs in (hit[0] for hit in llm.engine.composer.ready.values()):            # (each slot: its buffers first)
+    maps = [lay["pair_maps"] for lay in bufs.layers.values() if "pair_maps" in lay]
+    assert len(maps) > 1 and all(m is maps[0] for m in maps), [None if m is None else m.data_ptr() for m in maps]
+fast.FAILED.clear()
 lin.RUN_FACTORS = lin.LOWRANK_PAIRS = lin.SKIP_PAD_PAIRS = False
 lin.PAIRS_IN_SCAN = in_scan0
 triton_scan.pair_lowrank, triton_scan.scan_pairs = _pair_lowrank, _scan_pairs

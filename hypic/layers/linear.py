@@ -165,17 +165,26 @@ class LinearMixer(nn.Module):
             buf["keep"] = []
             if LOWRANK_PAIRS and self.factored_runs(shape.lmax) and triton_kernel("pairs") is not None:
                 # the runs' dense maps (each paired with the cached map after it, or alone), one buffer for the
-                # layers of one state shape (they run one after another)
+                # layers of one state shape (they run one after another); with the pairs made inside the scan,
+                # made at the first pass that needs it (`_pair_maps`: that kernel failed), still one for them all
                 buf["factor_width"] = factor_width(shape.lmax)
-                key = ("pair_maps", h, k, v)
-                if key not in shared and not PAIRS_IN_SCAN:     # (made inside the scan: only if that kernel fails)
-                    shared[key] = torch.empty(shape.runs, h, k, v + k, device=device)
-                buf["pair_maps"] = shared.get(key)
+                home = shared.setdefault("pair_maps", {})      # (tensors only: no reference back to buf)
+                buf["pair_home"] = home
+                buf["pair_maps"] = None if PAIRS_IN_SCAN else self._pair_maps(buf, shape.runs, device)
             elif RUN_FACTORS and self.factored_runs(shape.lmax):
                 buf["factor_width"] = factor_width(shape.lmax)
         else:
             buf.update(T=torch.zeros(e, h, k, k, device=device), S=torch.zeros(e, h, k, v, device=device))
         return buf
+
+    def _pair_maps(self, buf: dict, runs: int, device) -> torch.Tensor:
+        """The pairs' map buffer [runs, H, K, V + K] fp32 of this layer's state shape, shared by the layers of one
+        buffer set (`buf["pair_home"]`, keyed by the shape), made by the first layer that asks."""
+        h, k, v = self.state_shape
+        home = buf["pair_home"]
+        if (h, k, v) not in home:
+            home[(h, k, v)] = torch.empty(runs, h, k, v + k, device=device)
+        return home[(h, k, v)]
 
     def compose_fill(self, buf: dict, low, L: int, copies: list | None = None) -> None:
         """The request's cached segments into the slots: (T, S) at storage 0..E-1 (their addresses, or
@@ -387,8 +396,7 @@ class LinearMixer(nn.Module):
                 else:
                     pairs = buf["pairs"][: sh.runs - sh.tail]          # (not the tail's runs: no chain reads them)
                     if buf["pair_maps"] is None:        # (not made with the buffers: the pairs were the scan's)
-                        buf["pair_maps"] = torch.empty(sh.runs, *self.state_shape[:2], sum(self.state_shape[1:]),
-                                                       device=o0.device)
+                        buf["pair_maps"] = self._pair_maps(buf, sh.runs, o0.device)
                     runs = kern(pairs, factors, runs, buf["pair_maps"], skip_marked=SKIP_PAD_PAIRS and fused)
             except Exception as err:
                 kernel_failed("pairs", err)
