@@ -1606,9 +1606,19 @@ def test_triton_attention_forms_in_interpreter():
     bucket keys), at key blocks of 16 so that whole blocks precede each row block's first seam: each equal to the
     reference to fp32 rounding (1e-5), and unsorted keys through the fold and the value split alike; the fold with
     its split count a compile-time constant (rounded up to FOLD_BUCKET, the splits past the call's masked: five build
-    counts for 1-39 splits) and as a run-time loop (more splits than FOLD_UNROLL)."""
+    counts for 1-39 splits) and as a run-time loop (more splits than FOLD_UNROLL); fixed key ranges (`chunk`: 16, 32 and
+    64 keys, so that most of the early row blocks' programs are idle), with or without the unmasked blocks. Every
+    buffer the wrapper allocates starts as NaN: an idle program's unwritten partial sums (SKIP_EMPTY) read by the fold
+    would show (a mutant fold without the `w > 0` mask fails)."""
     code = """
 import itertools, torch
+_new_empty = torch.Tensor.new_empty
+def _nan_empty(self, *a, **kw):                 # every buffer the wrapper makes starts as NaN
+    t = _new_empty(self, *a, **kw)
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+torch.Tensor.new_empty = _nan_empty
+_empty_like = torch.empty_like
+torch.empty_like = lambda t, *a, **kw: _empty_like(t, *a, **kw).fill_(float("nan")) if t.is_floating_point() else _empty_like(t, *a, **kw)
 from hypic.ops.triton_attention import position_attention
 from hypic.ops.reference.attention import position_attention as ref
 g = torch.Generator().manual_seed(0)
@@ -1628,6 +1638,9 @@ for d, dv, h, hkv in ((32, 32, 4, 2), (24, 16, 4, 1)):
         assert float((o - r).abs().max()) < 1e-5, (d, dv, ff, bal, vs, sp)
     o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, fused_fold=False, block_n=16)
     assert float((o - r).abs().max()) < 1e-5, (d, dv, "fold by torch")
+    for chunk, ff in itertools.product((16, 40, 64), (False, True)):      # 40: rounded down to 32 (two key blocks)
+        o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, full_fast=ff, chunk=chunk, block_n=16)
+        assert float((o - r).abs().max()) < 1e-5, (d, dv, "chunk", chunk, ff)
     o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, vsplit=3, block_n=16)  # blocks past Dv
     assert float((o - r).abs().max()) < 1e-5, (d, dv, "vsplit 3")
     perm = torch.randperm(len(kpos), generator=g)

@@ -93,7 +93,7 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
                     H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                     BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     SORTED: tl.constexpr, STAGES: tl.constexpr, FULL_FAST: tl.constexpr, BALANCE: tl.constexpr,
-                    VSPLIT: tl.constexpr):
+                    VSPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     pid_m = tl.program_id(0) // VSPLIT
     vh = tl.program_id(0) % VSPLIT                     # which BDV columns of the values this program sums
     hk = tl.program_id(1)
@@ -116,17 +116,17 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
     if SORTED:
         # key positions non-decreasing: the rows see a prefix of the keys; its end by binary search, and
         # the split walks only its part of that prefix (nothing past it is loaded)
-        seen = _first_above(kpos, Nk, qmax)
         if BALANCE:                                      # the prefix in n_splits equal parts, whatever its length
+            seen = _first_above(kpos, Nk, qmax)
             per = tl.cdiv(tl.cdiv(seen, n_splits), BN) * BN
             n0 = sp * per
             n1 = tl.minimum(n0 + per, seen)
-        else:
-            n1 = tl.minimum(n1, seen)
+        else:                                            # fixed ranges: the prefix's end searched in this one only
+            n1 = n0 + _first_above(kpos + n0, tl.maximum(n1 - n0, 0), qmax)
         nf = n0                                          # [n0, nf): whole blocks every row sees
         if FULL_FAST:
             qmin = tl.min(tl.where(row_ok, qp, qmax), axis=0)
-            every = _first_above(kpos, seen, qmin)
+            every = n0 + _first_above(kpos + n0, tl.maximum(n1 - n0, 0), qmin)
             nf = n0 + tl.maximum(tl.minimum(n1, every) - n0, 0) // BN * BN
         if STAGES > 1:                                   # pipelined loops (the interpreter cannot range over them)
             for it in tl.range(0, (nf - n0) // BN, num_stages=STAGES):
@@ -157,7 +157,10 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
     nrows = Nq * REP
     base = (sp * HKV + hk).to(tl.int64) * nrows
     out_rows = base + rows
-    tl.store(acc_out + out_rows[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv < DV)[None, :])
+    wrote = row_ok
+    if SKIP_EMPTY:              # a program that saw no key writes its m = -inf and l = 0 alone (the fold skips its acc)
+        wrote = row_ok & (n1 > n0)
+    tl.store(acc_out + out_rows[:, None] * DV + dv[None, :], acc, mask=wrote[:, None] & (dv < DV)[None, :])
     tl.store(m_out + out_rows, m_i, mask=row_ok & (vh == 0))
     tl.store(l_out + out_rows, l_i, mask=row_ok & (vh == 0))
 
@@ -174,7 +177,9 @@ def _fold_split(acc, m, l, s, hk, rows, dv, ok, mo, mx, den, o, nrows, HKV: tl.c
     at = (s * HKV + hk).to(tl.int64) * nrows + rows
     w = tl.exp(tl.load(m + at, mask=ok, other=float("-inf")) - mx)
     den += w * tl.load(l + at, mask=ok, other=0.0)
-    o += w[:, None] * tl.load(acc + at[:, None] * DV + dv[None, :], mask=mo, other=0.0)
+    # (a split no key of which a row saw has w = 0 and its acc unwritten (SKIP_EMPTY): not loaded; nor one whose weight
+    # is 0 in fp32, which adds nothing)
+    o += w[:, None] * tl.load(acc + at[:, None] * DV + dv[None, :], mask=mo & (w > 0.0)[:, None], other=0.0)
     return den, o
 
 
@@ -243,6 +248,14 @@ FOLD_UNROLL = 32
 # that a server meeting every count up to FOLD_UNROLL builds the fold FOLD_UNROLL / FOLD_BUCKET times, not once per
 # count (0.3-2 s each for sm_90a on the CPU of this project's machines; forty-first session)
 FOLD_BUCKET = 8
+# 0: the key splits by the rule above (PROGRAMS_PER_SM, each row block's prefix cut evenly: BALANCE); > 0, sorted keys:
+# fixed key ranges of this many keys (rounded down to whole key blocks, at least one), a program per (row block, kv
+# head, range), those past a row block's prefix idle (the prefix's end searched in the program's own range; nothing
+# written but m and l: SKIP_EMPTY). The programs that read a range run side by side (the row blocks are the grid's
+# fastest axis), so the range is read from HBM about once and from L2 by the rest, where BALANCE has each row block's
+# programs read ranges of their own; and the programs walk ranges of one length, not of their prefix's (42nd session;
+# gpu_bench variants attention_chunk_*, attention_bench's "chunk" forms)
+CHUNK = 0
 
 
 def _fold_splits(splits: int) -> int:
@@ -254,14 +267,15 @@ def _fold_splits(splits: int) -> int:
 def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool = False,
                        block_m: int | None = None, block_n: int = 64, splits: int | None = None, warps: int | None = None,
                        stages: int | None = None, same_width: bool | None = None, full_fast: bool | None = None,
-                       fused_fold: bool | None = None, balance: bool | None = None, vsplit: int | None = None):
+                       fused_fold: bool | None = None, balance: bool | None = None, vsplit: int | None = None,
+                       chunk: int | None = None):
     """q [Nq, H, D], k [Nk, Hkv, D], v [Nk, Hkv, Dv] (one dtype), q_pos [Nq], k_pos [Nk] int64 ->
     [Nq, H, Dv] in q's dtype. sorted_keys: k_pos is non-decreasing (each row block walks
     only the prefix of keys it may see, in a pipelined loop). No host sync (CUDA-graph safe): the split count comes from
     the shapes. Block sizes, warps, stages: the fastest of gpu_check's run-13 timings (256 queries x 33k
     keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter.
-    full_fast, fused_fold, balance, vsplit (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT): the forms
-    named there; full_fast and balance act on sorted keys only.
+    full_fast, fused_fold, balance, vsplit, chunk (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT, CHUNK):
+    the forms named there; full_fast, balance and chunk act on sorted keys only, chunk where splits is not given.
     Key and value head dims that differ (MLA: Kimi-Linear's 24 / 16) made the compiled kernel fault at their own block
     widths (H200, twenty-eighth session; right in the interpreter); at one block width for both, the larger, it runs
     (H100, twenty-ninth session: 24 / 16, 32 / 16, 16 / 32, benchmarks/attn_probe.py --same-width). same_width (None:
@@ -274,8 +288,11 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     fused_fold = FUSED_FOLD if fused_fold is None else fused_fold
     balance = (BALANCE if balance is None else balance) and sorted_keys
     vsplit = VSPLIT if vsplit is None else vsplit
+    chunk = (CHUNK if chunk is None else chunk) if sorted_keys and splits is None else 0
     nq, h, d = q.shape
     nk, (hkv, dv) = k_pos.shape[0], v.shape[1:]
+    if chunk:                          # fixed key ranges of ~chunk keys (rounded to key blocks), not the split rule
+        balance, splits = False, triton.cdiv(nk, max(block_n, chunk // block_n * block_n))
     rep = h // hkv
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     nrows = nq * rep
@@ -298,7 +315,7 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
         q, k, v, q_pos, k_pos, acc, m, l, nq, nk, per, per // block_n, splits, scale, H=h, HKV=hkv, REP=rep, D=d,
         DV=dv, BD=bd, BDV=bdv, BM=block_m, BN=block_n,
         SORTED=sorted_keys, STAGES=stages if sorted_keys else 1, FULL_FAST=full_fast and sorted_keys,
-        BALANCE=balance, VSPLIT=vsplit, num_warps=warps, num_stages=stages)
+        BALANCE=balance, VSPLIT=vsplit, SKIP_EMPTY=fused_fold, num_warps=warps, num_stages=stages)
     if fused_fold:
         out = q.new_empty((nq, h, dv))
         br, bf = 16, min(128, max(16, triton.next_power_of_2(dv)))
