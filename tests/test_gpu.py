@@ -503,7 +503,7 @@ def test_position_attention_with_other_value_dim_on_cuda():
 @cuda
 def test_triton_position_attention_matches_reference():
     """bf16 operands, fp32 softmax: the bound of the other bf16 attention checks (gpu_check.py). Split counts from the
-    rule (20 here), 1, 7 and 40 (more than FOLD_UNROLL: the fold's run-time loop)."""
+    rule (20 here), 1, 7 and 40 (more than FOLD_UNROLL: the fold's run-time loop); sorted keys in fixed ranges too."""
     pytest.importorskip("triton")
     from hypic.ops import triton_attention
 
@@ -526,6 +526,9 @@ def test_triton_position_attention_matches_reference():
     for splits in (None, 1, 7, 40):
         o4 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, splits=splits)
         assert rel(o4, o3) < 2e-2
+    for chunk in (64, 512, 1024):            # fixed key ranges (CHUNK): 79, 10 and 5 of them, the fold's loop past 32
+        o5 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, chunk=chunk)
+        assert rel(o5, o3) < 2e-2
 
 
 @cuda
