@@ -527,8 +527,12 @@ def test_triton_position_attention_matches_reference():
         o4 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, splits=splits)
         assert rel(o4, o3) < 2e-2
     for chunk in (64, 512, 1024):            # fixed key ranges (CHUNK): 79, 10 and 5 of them, the fold's loop past 32
-        o5 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, chunk=chunk)
-        assert rel(o5, o3) < 2e-2
+        for tma in (False, True):            # (whole key blocks' tiles by tensor descriptors: TMA_KV)
+            o5 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, chunk=chunk,
+                                                     tma=tma)
+            assert rel(o5, o3) < 2e-2
+    o6 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, tma=True)
+    assert rel(o6, o3) < 2e-2
 
 
 @cuda
@@ -1624,6 +1628,7 @@ _empty_like = torch.empty_like
 torch.empty_like = lambda t, *a, **kw: _empty_like(t, *a, **kw).fill_(float("nan")) if t.is_floating_point() else _empty_like(t, *a, **kw)
 from hypic.ops.triton_attention import position_attention
 from hypic.ops.reference.attention import position_attention as ref
+from triton.tools.tensor_descriptor import TensorDescriptor
 g = torch.Generator().manual_seed(0)
 seg, nseg, seam, ql = 40, 5, 3, 7
 qpos = [i * seg + j for i in range(nseg) for j in range(seam)] + list(range(nseg * seg, nseg * seg + ql)) + [0] * 4
@@ -1644,6 +1649,15 @@ for d, dv, h, hkv in ((32, 32, 4, 2), (24, 16, 4, 1)):
     for chunk, ff in itertools.product((16, 40, 64), (False, True)):      # 40: rounded down to 32 (two key blocks)
         o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, full_fast=ff, chunk=chunk, block_n=16)
         assert float((o - r).abs().max()) < 1e-5, (d, dv, "chunk", chunk, ff)
+    # whole key blocks' tiles by tensor descriptors (where the blocks cover the head dims: 32 / 32, not 24 / 16)
+    made, _from = [], TensorDescriptor.from_tensor
+    TensorDescriptor.from_tensor = lambda t, b: made.append(b) or _from(t, b)
+    for chunk, vs, sp in ((0, 1, 3), (16, 1, None), (0, 2, 3)):
+        o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, chunk=chunk, vsplit=vs, splits=sp,
+                               block_n=16, tma=True)
+        assert float((o - r).abs().max()) < 1e-5, (d, dv, "tma", chunk, vs)
+    assert len(made) == (6 if d == 32 else 0), (d, made)
+    TensorDescriptor.from_tensor = _from
     o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, vsplit=3, block_n=16)  # blocks past Dv
     assert float((o - r).abs().max()) < 1e-5, (d, dv, "vsplit 3")
     perm = torch.randperm(len(kpos), generator=g)

@@ -52,12 +52,15 @@ def _block(qb, qp, m_i, l_i, acc, k, v, kpos, cols, n1, hk, scale, d, dv, HKV: t
 
 @triton.jit
 def _block_full(qb, m_i, l_i, acc, k, v, cols, hk, scale, d, dv, HKV: tl.constexpr, D: tl.constexpr,
-                DV: tl.constexpr, BD: tl.constexpr, EVEN_V: tl.constexpr):
+                DV: tl.constexpr, BD: tl.constexpr, EVEN_V: tl.constexpr, kd, vd, n, vcol, TMA: tl.constexpr):
     """A block of keys every row of the program may see (FULL_FAST): no position mask, no position loads, and no
     bounds mask on the loads where the blocks cover the head dims exactly (BD == D; EVEN_V: the value splits' blocks
-    tile Dv)."""
+    tile Dv). TMA: the key and value tiles by the tensor descriptors kd, vd of [keys, Hkv * D] and [keys, Hkv * Dv]
+    (the block's first key n, its value columns from vcol; BD == D and EVEN_V)."""
     kr = cols.to(tl.int64)
-    if BD == D:
+    if TMA:
+        kb = kd.load([n, hk * D])
+    elif BD == D:
         kb = tl.load(k + (kr * HKV + hk)[:, None] * D + d[None, :])
     else:
         kb = tl.load(k + (kr * HKV + hk)[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0)
@@ -66,7 +69,9 @@ def _block_full(qb, m_i, l_i, acc, k, v, cols, hk, scale, d, dv, HKV: tl.constex
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if EVEN_V:
+    if TMA:
+        vb = vd.load([n, vcol])
+    elif EVEN_V:
         vb = tl.load(v + (kr * HKV + hk)[:, None] * DV + dv[None, :])
     else:
         vb = tl.load(v + (kr * HKV + hk)[:, None] * DV + dv[None, :], mask=(dv < DV)[None, :], other=0.0)
@@ -93,7 +98,7 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
                     H: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                     BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     SORTED: tl.constexpr, STAGES: tl.constexpr, FULL_FAST: tl.constexpr, BALANCE: tl.constexpr,
-                    VSPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+                    VSPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr, kd, vd, TMA: tl.constexpr):
     pid_m = tl.program_id(0) // VSPLIT
     vh = tl.program_id(0) % VSPLIT                     # which BDV columns of the values this program sums
     hk = tl.program_id(1)
@@ -131,7 +136,8 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
         if STAGES > 1:                                   # pipelined loops (the interpreter cannot range over them)
             for it in tl.range(0, (nf - n0) // BN, num_stages=STAGES):
                 m_i, l_i, acc = _block_full(qb, m_i, l_i, acc, k, v, n0 + it * BN + tl.arange(0, BN), hk, scale, d,
-                                            dv, HKV, D, DV, BD, BDV * VSPLIT == DV)
+                                            dv, HKV, D, DV, BD, BDV * VSPLIT == DV, kd, vd, n0 + it * BN,
+                                            hk * DV + vh * BDV, TMA)
             for it in tl.range(0, tl.cdiv(n1 - nf, BN), num_stages=STAGES):
                 m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, nf + it * BN + tl.arange(0, BN), n1,
                                        hk, scale, d, dv, HKV, D, DV)
@@ -139,7 +145,7 @@ def _partial_kernel(q, k, v, qpos, kpos, acc_out, m_out, l_out, Nq, Nk, per_spli
             n = n0
             while n < nf:
                 m_i, l_i, acc = _block_full(qb, m_i, l_i, acc, k, v, n + tl.arange(0, BN), hk, scale, d, dv, HKV, D,
-                                            DV, BD, BDV * VSPLIT == DV)
+                                            DV, BD, BDV * VSPLIT == DV, kd, vd, n, hk * DV + vh * BDV, TMA)
                 n += BN
             while n < n1:
                 m_i, l_i, acc = _block(qb, qp, m_i, l_i, acc, k, v, kpos, n + tl.arange(0, BN), n1, hk, scale, d,
@@ -256,6 +262,21 @@ FOLD_BUCKET = 8
 # programs read ranges of their own; and the programs walk ranges of one length, not of their prefix's (42nd session;
 # gpu_bench variants attention_chunk_*, attention_bench's "chunk" forms)
 CHUNK = 0
+# the unmasked key blocks' (FULL_FAST) key and value tiles read by tensor descriptors (TMA bulk copies on sm_90+, the
+# tile's addresses not computed by the threads) where `_descriptors_apply`; False: by pointers (42nd session; gpu_bench
+# variant attention_tma, attention_bench's "tma" forms)
+TMA_KV = False
+
+
+def _descriptors_apply(k, v, bd: int, bdv: int, vsplit: int) -> bool:
+    """The key and value tiles of whole blocks can be read by tensor descriptors: a GPU of compute capability 9 or more
+    (or Triton's interpreter, k on the CPU), blocks that cover the head dims exactly (a wider tile would read the next
+    head's columns, where the pointer form masks them), 16-byte aligned bases and rows."""
+    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    (_, hkv, d), dv = k.shape, v.shape[-1]
+    return (bd == d and bdv * vsplit == dv and k.is_contiguous() and v.is_contiguous()
+            and all(t.data_ptr() % 16 == 0 and (hkv * t.shape[-1] * t.element_size()) % 16 == 0 for t in (k, v)))
 
 
 def _fold_splits(splits: int) -> int:
@@ -268,14 +289,15 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
                        block_m: int | None = None, block_n: int = 64, splits: int | None = None, warps: int | None = None,
                        stages: int | None = None, same_width: bool | None = None, full_fast: bool | None = None,
                        fused_fold: bool | None = None, balance: bool | None = None, vsplit: int | None = None,
-                       chunk: int | None = None):
+                       chunk: int | None = None, tma: bool | None = None):
     """q [Nq, H, D], k [Nk, Hkv, D], v [Nk, Hkv, Dv] (one dtype), q_pos [Nq], k_pos [Nk] int64 ->
     [Nq, H, Dv] in q's dtype. sorted_keys: k_pos is non-decreasing (each row block walks
     only the prefix of keys it may see, in a pipelined loop). No host sync (CUDA-graph safe): the split count comes from
     the shapes. Block sizes, warps, stages: the fastest of gpu_check's run-13 timings (256 queries x 33k
     keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter.
-    full_fast, fused_fold, balance, vsplit, chunk (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT, CHUNK):
-    the forms named there; full_fast, balance and chunk act on sorted keys only, chunk where splits is not given.
+    full_fast, fused_fold, balance, vsplit, chunk, tma (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT, CHUNK,
+    TMA_KV): the forms named there; full_fast, balance and chunk act on sorted keys only, chunk where splits is not
+    given, tma with full_fast where `_descriptors_apply`.
     Key and value head dims that differ (MLA: Kimi-Linear's 24 / 16) made the compiled kernel fault at their own block
     widths (H200, twenty-eighth session; right in the interpreter); at one block width for both, the larger, it runs
     (H100, twenty-ninth session: 24 / 16, 32 / 16, 16 / 32, benchmarks/attn_probe.py --same-width). same_width (None:
@@ -311,11 +333,18 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     same = d != dv if same_width is None else same_width
     if same:
         bd = bdv = max(bd, bdv)
+    kd = vd = None
+    if (TMA_KV if tma is None else tma) and sorted_keys and full_fast and _descriptors_apply(k, v, bd, bdv, vsplit):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kd = TensorDescriptor.from_tensor(k.view(k.shape[0], hkv * d), [block_n, bd])
+        vd = TensorDescriptor.from_tensor(v.view(v.shape[0], hkv * dv), [block_n, bdv])
     _partial_kernel[(mblocks * vsplit, hkv, splits)](
         q, k, v, q_pos, k_pos, acc, m, l, nq, nk, per, per // block_n, splits, scale, H=h, HKV=hkv, REP=rep, D=d,
         DV=dv, BD=bd, BDV=bdv, BM=block_m, BN=block_n,
         SORTED=sorted_keys, STAGES=stages if sorted_keys else 1, FULL_FAST=full_fast and sorted_keys,
-        BALANCE=balance, VSPLIT=vsplit, SKIP_EMPTY=fused_fold, num_warps=warps, num_stages=stages)
+        BALANCE=balance, VSPLIT=vsplit, SKIP_EMPTY=fused_fold, kd=kd, vd=vd, TMA=kd is not None, num_warps=warps,
+        num_stages=stages)
     if fused_fold:
         out = q.new_empty((nq, h, dv))
         br, bf = 16, min(128, max(16, triton.next_power_of_2(dv)))
