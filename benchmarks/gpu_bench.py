@@ -507,8 +507,6 @@ def interleaved_variants(llm, comp, segs, order_a, query, ttft, args, rag):
                      ("attention_unbalanced", flag(_ta, "BALANCE", False), {}),
                      ("attention_vsplit_2", flag(_ta, "VSPLIT", 2), {}),
                      ("attention_splits_2", flag(_ta, "PROGRAMS_PER_SM", 2), {})]     # before the 39th session
-        # fixed key ranges, the programs reading a range side by side (42nd session)
-        variants += [(f"attention_chunk_{c}", flag(_ta, "CHUNK", c), {}) for c in (512, 1024) if c != _ta.CHUNK]
         # whole key blocks' tiles by tensor descriptors (42nd session)
         variants += [("attention_by_pointers" if _ta.TMA_KV else "attention_tma", flag(_ta, "TMA_KV", not _ta.TMA_KV),
                       {})]

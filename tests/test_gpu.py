@@ -503,7 +503,8 @@ def test_position_attention_with_other_value_dim_on_cuda():
 @cuda
 def test_triton_position_attention_matches_reference():
     """bf16 operands, fp32 softmax: the bound of the other bf16 attention checks (gpu_check.py). Split counts from the
-    rule (20 here), 1, 7 and 40 (more than FOLD_UNROLL: the fold's run-time loop); sorted keys in fixed ranges too."""
+    rule (20 here), 1, 7 and 40 (more than FOLD_UNROLL: the fold's run-time loop); sorted keys unbalanced, and with
+    whole blocks' tiles by tensor descriptors."""
     pytest.importorskip("triton")
     from hypic.ops import triton_attention
 
@@ -526,10 +527,10 @@ def test_triton_position_attention_matches_reference():
     for splits in (None, 1, 7, 40):
         o4 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, splits=splits)
         assert rel(o4, o3) < 2e-2
-    for chunk in (64, 512, 1024):            # fixed key ranges (CHUNK): 79, 10 and 5 of them, the fold's loop past 32
+    for splits in (7, 79):                   # unbalanced (idle programs: nothing but m and l written), 79 past FOLD_UNROLL
         for tma in (False, True):            # (whole key blocks' tiles by tensor descriptors: TMA_KV)
-            o5 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, chunk=chunk,
-                                                     tma=tma)
+            o5 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, splits=splits,
+                                                     balance=False, tma=tma)
             assert rel(o5, o3) < 2e-2
     o6 = triton_attention.position_attention(q, k, v, qp2, kp2, scale=d ** -0.5, sorted_keys=True, tma=True)
     assert rel(o6, o3) < 2e-2
@@ -1613,8 +1614,9 @@ def test_triton_attention_forms_in_interpreter():
     bucket keys), at key blocks of 16 so that whole blocks precede each row block's first seam: each equal to the
     reference to fp32 rounding (1e-5), and unsorted keys through the fold and the value split alike; the fold with
     its split count a compile-time constant (rounded up to FOLD_BUCKET, the splits past the call's masked: five build
-    counts for 1-39 splits) and as a run-time loop (more splits than FOLD_UNROLL); fixed key ranges (`chunk`: 16, 32 and
-    64 keys, so that most of the early row blocks' programs are idle), with or without the unmasked blocks. Every
+    counts for 1-39 splits) and as a run-time loop (more splits than FOLD_UNROLL); unbalanced splits of 16 or 32 keys,
+    so that most of the early row blocks' programs are idle, with or without the unmasked blocks; whole key blocks'
+    tiles by tensor descriptors (TMA_KV) where the blocks cover the head dims. Every
     buffer the wrapper allocates starts as NaN: an idle program's unwritten partial sums (SKIP_EMPTY) read by the fold
     would show (a mutant fold without the `w > 0` mask fails)."""
     code = """
@@ -1646,16 +1648,17 @@ for d, dv, h, hkv in ((32, 32, 4, 2), (24, 16, 4, 1)):
         assert float((o - r).abs().max()) < 1e-5, (d, dv, ff, bal, vs, sp)
     o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, fused_fold=False, block_n=16)
     assert float((o - r).abs().max()) < 1e-5, (d, dv, "fold by torch")
-    for chunk, ff in itertools.product((16, 40, 64), (False, True)):      # 40: rounded down to 32 (two key blocks)
-        o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, full_fast=ff, chunk=chunk, block_n=16)
-        assert float((o - r).abs().max()) < 1e-5, (d, dv, "chunk", chunk, ff)
+    for sp, ff in itertools.product((7, 14), (False, True)):    # unbalanced, most early row blocks' programs idle
+        o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, full_fast=ff, balance=False, splits=sp,
+                               block_n=16)
+        assert float((o - r).abs().max()) < 1e-5, (d, dv, "unbalanced", sp, ff)
     # whole key blocks' tiles by tensor descriptors (where the blocks cover the head dims: 32 / 32, not 24 / 16)
     made, _from = [], TensorDescriptor.from_tensor
     TensorDescriptor.from_tensor = lambda t, b: made.append(b) or _from(t, b)
-    for chunk, vs, sp in ((0, 1, 3), (16, 1, None), (0, 2, 3)):
-        o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, chunk=chunk, vsplit=vs, splits=sp,
+    for bal, vs, sp in ((True, 1, 3), (False, 1, 14), (True, 2, 3)):
+        o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, balance=bal, vsplit=vs, splits=sp,
                                block_n=16, tma=True)
-        assert float((o - r).abs().max()) < 1e-5, (d, dv, "tma", chunk, vs)
+        assert float((o - r).abs().max()) < 1e-5, (d, dv, "tma", bal, vs)
     assert len(made) == (6 if d == 32 else 0), (d, made)
     TensorDescriptor.from_tensor = _from
     o = position_attention(q, k, v, qp, kp, scale=0.3, sorted_keys=True, vsplit=3, block_n=16)  # blocks past Dv

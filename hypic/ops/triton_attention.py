@@ -254,17 +254,15 @@ FOLD_UNROLL = 32
 # that a server meeting every count up to FOLD_UNROLL builds the fold FOLD_UNROLL / FOLD_BUCKET times, not once per
 # count (0.3-2 s each for sm_90a on the CPU of this project's machines; forty-first session)
 FOLD_BUCKET = 8
-# 0: the key splits by the rule above (PROGRAMS_PER_SM, each row block's prefix cut evenly: BALANCE); > 0, sorted keys:
-# fixed key ranges of this many keys (rounded down to whole key blocks, at least one), a program per (row block, kv
-# head, range), those past a row block's prefix idle (the prefix's end searched in the program's own range; nothing
-# written but m and l: SKIP_EMPTY). The programs that read a range run side by side (the row blocks are the grid's
-# fastest axis), so the range is read from HBM about once and from L2 by the rest, where BALANCE has each row block's
-# programs read ranges of their own; and the programs walk ranges of one length, not of their prefix's (42nd session;
-# gpu_bench variants attention_chunk_*, attention_bench's "chunk" forms)
-CHUNK = 0
+# (fixed key ranges of ~1,024 or 512 keys, unbalanced, as many splits as ranges, with the row blocks the grid's fastest
+# axis so that the programs reading a range run side by side and share it in L2, was measured and removed: H100 run
+# 133, attention_bench 394 and 479 us against the default's 354, paired on the warm request +0.37 and +1.19 ms;
+# code at git cbbacab. What it left: a program whose keys no row sees writes m and l alone (SKIP_EMPTY; the fold
+# does not read its partial sums), and an unbalanced split searches the prefix's end in its own range.)
 # the unmasked key blocks' (FULL_FAST) key and value tiles read by tensor descriptors (TMA bulk copies on sm_90+, the
-# tile's addresses not computed by the threads) where `_descriptors_apply`; False: by pointers (42nd session; gpu_bench
-# variant attention_tma, attention_bench's "tma" forms)
+# tile's addresses not computed by the threads) where `_descriptors_apply`; False: by pointers (42nd session). H100:
+# attention_bench 380 against 354 us (run 133), in the warm request -0.06 and -0.09 ms paired (runs 133, 134; the
+# partials -155 us in run 133's profile), within the rounds' spread: off (gpu_bench variant attention_tma)
 TMA_KV = False
 
 
@@ -289,15 +287,14 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
                        block_m: int | None = None, block_n: int = 64, splits: int | None = None, warps: int | None = None,
                        stages: int | None = None, same_width: bool | None = None, full_fast: bool | None = None,
                        fused_fold: bool | None = None, balance: bool | None = None, vsplit: int | None = None,
-                       chunk: int | None = None, tma: bool | None = None):
+                       tma: bool | None = None):
     """q [Nq, H, D], k [Nk, Hkv, D], v [Nk, Hkv, Dv] (one dtype), q_pos [Nq], k_pos [Nk] int64 ->
     [Nq, H, Dv] in q's dtype. sorted_keys: k_pos is non-decreasing (each row block walks
     only the prefix of keys it may see, in a pipelined loop). No host sync (CUDA-graph safe): the split count comes from
     the shapes. Block sizes, warps, stages: the fastest of gpu_check's run-13 timings (256 queries x 33k
     keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter.
-    full_fast, fused_fold, balance, vsplit, chunk, tma (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT, CHUNK,
-    TMA_KV): the forms named there; full_fast, balance and chunk act on sorted keys only, chunk where splits is not
-    given, tma with full_fast where `_descriptors_apply`.
+    full_fast, fused_fold, balance, vsplit, tma (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT, TMA_KV): the
+    forms named there; full_fast and balance act on sorted keys only, tma with full_fast where `_descriptors_apply`.
     Key and value head dims that differ (MLA: Kimi-Linear's 24 / 16) made the compiled kernel fault at their own block
     widths (H200, twenty-eighth session; right in the interpreter); at one block width for both, the larger, it runs
     (H100, twenty-ninth session: 24 / 16, 32 / 16, 16 / 32, benchmarks/attn_probe.py --same-width). same_width (None:
@@ -310,11 +307,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     fused_fold = FUSED_FOLD if fused_fold is None else fused_fold
     balance = (BALANCE if balance is None else balance) and sorted_keys
     vsplit = VSPLIT if vsplit is None else vsplit
-    chunk = (CHUNK if chunk is None else chunk) if sorted_keys and splits is None else 0
     nq, h, d = q.shape
     nk, (hkv, dv) = k_pos.shape[0], v.shape[1:]
-    if chunk:                          # fixed key ranges of ~chunk keys (rounded to key blocks), not the split rule
-        balance, splits = False, triton.cdiv(nk, max(block_n, chunk // block_n * block_n))
     rep = h // hkv
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     nrows = nq * rep
