@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .triton_scan import _sm_count
+from .tuning import descriptors_fit
 
 
 @triton.jit
@@ -260,21 +261,10 @@ FOLD_BUCKET = 8
 # code at git cbbacab. What it left: a program whose keys no row sees writes m and l alone (SKIP_EMPTY; the fold
 # does not read its partial sums), and an unbalanced split searches the prefix's end in its own range.)
 # the unmasked key blocks' (FULL_FAST) key and value tiles read by tensor descriptors (TMA bulk copies on sm_90+, the
-# tile's addresses not computed by the threads) where `_descriptors_apply`; False: by pointers (42nd session). H100:
+# tile's addresses not computed by the threads) where the tiles cover the head dims; False: by pointers (42nd session). H100:
 # attention_bench 380 against 354 us (run 133), in the warm request -0.06 and -0.09 ms paired (runs 133, 134; the
 # partials -155 us in run 133's profile), within the rounds' spread: off (gpu_bench variant attention_tma)
 TMA_KV = False
-
-
-def _descriptors_apply(k, v, bd: int, bdv: int, vsplit: int) -> bool:
-    """The key and value tiles of whole blocks can be read by tensor descriptors: a GPU of compute capability 9 or more
-    (or Triton's interpreter, k on the CPU), blocks that cover the head dims exactly (a wider tile would read the next
-    head's columns, where the pointer form masks them), 16-byte aligned bases and rows."""
-    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
-        return False
-    (_, hkv, d), dv = k.shape, v.shape[-1]
-    return (bd == d and bdv * vsplit == dv and k.is_contiguous() and v.is_contiguous()
-            and all(t.data_ptr() % 16 == 0 and (hkv * t.shape[-1] * t.element_size()) % 16 == 0 for t in (k, v)))
 
 
 def _fold_splits(splits: int) -> int:
@@ -294,7 +284,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     the shapes. Block sizes, warps, stages: the fastest of gpu_check's run-13 timings (256 queries x 33k
     keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter.
     full_fast, fused_fold, balance, vsplit, tma (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT, TMA_KV): the
-    forms named there; full_fast and balance act on sorted keys only, tma with full_fast where `_descriptors_apply`.
+    forms named there; full_fast and balance act on sorted keys only, tma with full_fast where the tiles cover the head dims
+    and `tuning.descriptors_fit`.
     Key and value head dims that differ (MLA: Kimi-Linear's 24 / 16) made the compiled kernel fault at their own block
     widths (H200, twenty-eighth session; right in the interpreter); at one block width for both, the larger, it runs
     (H100, twenty-ninth session: 24 / 16, 32 / 16, 16 / 32, benchmarks/attn_probe.py --same-width). same_width (None:
@@ -328,11 +319,15 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     if same:
         bd = bdv = max(bd, bdv)
     kd = vd = None
-    if (TMA_KV if tma is None else tma) and sorted_keys and full_fast and _descriptors_apply(k, v, bd, bdv, vsplit):
-        from triton.tools.tensor_descriptor import TensorDescriptor
+    # (tiles that cover the head dims exactly: a wider one would read the next head's columns, which the pointer form
+    # masks; the views' rows are a key's heads)
+    if (TMA_KV if tma is None else tma) and sorted_keys and full_fast and bd == d and bdv * vsplit == dv:
+        k2, v2 = k.view(k.shape[0], hkv * d), v.view(v.shape[0], hkv * dv)
+        if descriptors_fit(k2, v2):
+            from triton.tools.tensor_descriptor import TensorDescriptor
 
-        kd = TensorDescriptor.from_tensor(k.view(k.shape[0], hkv * d), [block_n, bd])
-        vd = TensorDescriptor.from_tensor(v.view(v.shape[0], hkv * dv), [block_n, bdv])
+            kd = TensorDescriptor.from_tensor(k2, [block_n, bd])
+            vd = TensorDescriptor.from_tensor(v2, [block_n, bdv])
     _partial_kernel[(mblocks * vsplit, hkv, splits)](
         q, k, v, q_pos, k_pos, acc, m, l, nq, nk, per, per // block_n, splits, scale, H=h, HKV=hkv, REP=rep, D=d,
         DV=dv, BD=bd, BDV=bdv, BM=block_m, BN=block_n,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .reference.moe import with_shared
-from .tuning import tuned_config
+from .tuning import descriptors_fit, tuned_config
 
 # the experts' weight tiles read by tensor descriptors (TMA on sm_90+: one bulk copy per tile instead of the
 # threads' own address arithmetic and 16-byte loads) where the weights allow it (rows of a multiple of 16 bytes);
@@ -215,14 +215,6 @@ def _tuned(key, device, launch, out, kind: str):
     return tuned_config(TUNED, key, cfgs, device, launch, out, cfgs[0], 1e-2)
 
 
-def _descriptors_apply(x, gate_up, down) -> bool:
-    """The weights can be read by tensor descriptors here: on a GPU of compute capability 9 or more (or Triton's
-    interpreter, where x lies on the CPU), with 16-byte aligned rows and bases."""
-    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    return all((w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0 for w in (gate_up, down))
-
-
 def _desc(w2d: torch.Tensor, bn: int, bk: int):
     """A tensor descriptor of the 2-D weight view, read in [bn, bk] tiles (past its edges: zeros)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -254,7 +246,7 @@ class _Launch:
         self.hbuf = x.new_empty((n * k, i))
         self.ys = x.new_empty((n * k, hd))
         self.prec = "ieee" if x.dtype == torch.float32 else None       # fp32 operands (CPU interpreter tests): exact
-        self.desc = (TMA_WEIGHTS if desc is None else desc) and _descriptors_apply(x, gate_up, down)
+        self.desc = (TMA_WEIGHTS if desc is None else desc) and descriptors_fit(gate_up, down)
         self.n, self.k, self.e, self.i, self.hd = n, k, e, i, hd
         self.key = (e, hd, i, k, _bucket(max(1, n * k // max(e, 1))), x.dtype, self.desc)
 
@@ -289,7 +281,8 @@ def experts_few_rows(x, weights, experts, gate_up, down, order, offs, *, tune: b
     y_t = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = experts[t, j].
     configs: (gate_up config, down config) to use instead of the tuned ones (tests, benchmarks).
     shared: (gate [n, 1], out [n, H]) of a shared expert, added as sigmoid(gate) * out (`combine`).
-    desc: the weights read by tensor descriptors (None: the module's TMA_WEIGHTS, where `_descriptors_apply`).
+    desc: the weights read by tensor descriptors (None: the module's TMA_WEIGHTS, where
+    `tuning.descriptors_fit`).
     rows ([1] int tensor or None): the tokens from rows[0] on are padding, their choices in no expert's rows (order and
     offs made so: triton_route.sort_by_expert's `real`); their routed sum is zero (`combine`)."""
     run = _Launch(x, weights, experts, gate_up, down, order, offs, desc)

@@ -16,6 +16,15 @@ def is_device_fault(e: BaseException) -> bool:
         or "unspecified launch failure" in text
 
 
+def descriptors_fit(*tensors: torch.Tensor) -> bool:
+    """The tensors can be read by TMA tensor descriptors of their rows (the last dim): on a GPU of compute capability 9
+    or more (or Triton's interpreter, the tensors on the CPU), with 16-byte aligned bases and rows."""
+    t0 = tensors[0]
+    if t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    return all((t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def tuned_config(table: dict, key, configs, device, launch, out: torch.Tensor, fallback, rel_tol: float):
     """The fastest of `configs` for this shape key, timed once (3 launches each after a first that compiles)
     and remembered in table[key] = (config, {config: ms}). A configuration whose output differs from the first
