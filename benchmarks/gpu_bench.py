@@ -623,6 +623,52 @@ def _time_group(llm, comp, variants, segs, order_a, query, ttft, args, rag):
         (torch.cuda.empty_cache() if DEV == "cuda" else None)
 
 
+def prefix_rows(llm, segs, order_a, query, ttft, args, rag):
+    """The prefix-caching rows: the cache populated by one order, then requests in new orders that keep only the
+    first segment in place (they miss after it), and the same with long chains through the phased walk, interleaved
+    and paired by round."""
+    llm.set_policy("prefix", 0)
+    ttft(Prompt(segments=[segs[i] for i in order_a], query=query))          # populate the prefix cache
+    pre_ts = []
+    for r in range(args.reps):
+        order = [0] + random.Random(100 + r).sample(order_a[1:], args.segments - 1)
+        dt, o = ttft(Prompt(segments=[segs[i] for i in order], query=query))
+        pre_ts.append(dt)
+        rag["prefix_counts"] = dict(prefix=o.prefix_tokens, recomputed=o.recomputed_tokens)
+    rag["prefix_s"], rag["prefix_all_s"] = statistics.median(pre_ts), pre_ts
+    print(f"prefix TTFT: {rag['prefix_s'] * 1e3:.0f} ms {rag['prefix_counts']} (each: "
+          f"{', '.join(f'{t * 1e3:.0f}' for t in pre_ts)} ms)", flush=True)
+    # the same requests with a chain of long spans through the phased walk (layers/linear.py LONG_CHAINS_PHASED),
+    # interleaved with the default (rounds) on fresh orders, paired by round
+    from hypic.layers import linear as _linear
+
+    pairs = []
+    try:                 # a variant not yet run on the GPU: a failure must not cost the rest of the device call
+        for r in range(args.reps if DEV == "cuda" else 0):            # (off CUDA the flag changes nothing)
+            row = {}
+            for name, on in (("rounds", False), ("long_chains_phased", True)):
+                order = [0] + random.Random(300 + 2 * r + on).sample(order_a[1:], args.segments - 1)
+                with flagged(_linear, "LONG_CHAINS_PHASED", on):
+                    row[name] = ttft(Prompt(segments=[segs[i] for i in order], query=query))[0]
+            pairs.append(row)
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        pairs = []
+    rag["prefix_long_chains"] = pairs
+    if pairs:                  # medians of each way and of the paired difference
+        rag["prefix_long_chains_medians_s"] = med = (
+            statistics.median(p["rounds"] for p in pairs), statistics.median(p["long_chains_phased"] for p in pairs),
+            statistics.median(p["long_chains_phased"] - p["rounds"] for p in pairs))
+        print(f"prefix TTFT, interleaved: rounds {med[0] * 1e3:.0f} ms, long chains phased {med[1] * 1e3:.0f} ms; "
+              f"paired median {med[2] * 1e3:+.0f} ms", flush=True)
+    if args.profile:   # a prefix request that misses after its first segment (profile() runs it twice: the first
+        # run would make the second a full prefix hit, so the profiled one takes an order of its own)
+        orders = iter([[0] + random.Random(200 + k).sample(order_a[1:], args.segments - 1) for k in range(2)])
+        profile("prefix request", lambda: ttft(Prompt(segments=[segs[i] for i in next(orders)], query=query)))
+
+
 def _shuffled(order, seed):
     """A copy of the segment order shuffled by random.Random(seed) (the same orders for the same seeds in every run)."""
     order = order[:]
@@ -935,58 +981,24 @@ def main():
     rag["pic_counts"] = counts
     print(f"pic warm TTFT: {rag['pic_warm_s'] * 1e3:.1f} ms {counts} (the generate call's wall "
           f"{rag['pic_warm_wall_s'] * 1e3:.1f} ms)", flush=True)
-    if args.skip_prefix:                # (an 80 GB card: the prefix cache beside the 35B model does not fit)
-        rag["prefix_s"] = float("nan")
-    else:
-        llm.set_policy("prefix", 0)
-        ttft(Prompt(segments=[segs[i] for i in order_a], query=query))          # populate the prefix cache
-        pre_ts = []
-        for r in range(args.reps):
-            order = [0] + random.Random(100 + r).sample(order_a[1:], args.segments - 1)
-            dt, o = ttft(Prompt(segments=[segs[i] for i in order], query=query))
-            pre_ts.append(dt)
-            rag["prefix_counts"] = dict(prefix=o.prefix_tokens, recomputed=o.recomputed_tokens)
-        rag["prefix_s"], rag["prefix_all_s"] = statistics.median(pre_ts), pre_ts
-        print(f"prefix TTFT: {rag['prefix_s'] * 1e3:.0f} ms {rag['prefix_counts']} (each: "
-              f"{', '.join(f'{t * 1e3:.0f}' for t in pre_ts)} ms)", flush=True)
-        # the same requests with a chain of long spans through the phased walk (layers/linear.py LONG_CHAINS_PHASED),
-        # interleaved with the default (rounds) on fresh orders, paired by round
-        from hypic.layers import linear as _linear
-
-        pairs = []
-        try:                 # a variant not yet run on the GPU: a failure must not cost the rest of the device call
-            for r in range(args.reps if DEV == "cuda" else 0):            # (off CUDA the flag changes nothing)
-                row = {}
-                for name, on in (("rounds", False), ("long_chains_phased", True)):
-                    order = [0] + random.Random(300 + 2 * r + on).sample(order_a[1:], args.segments - 1)
-                    with flagged(_linear, "LONG_CHAINS_PHASED", on):
-                        row[name] = ttft(Prompt(segments=[segs[i] for i in order], query=query))[0]
-                pairs.append(row)
-        except Exception:
-            import traceback
-
-            traceback.print_exc()
-            pairs = []
-        rag["prefix_long_chains"] = pairs
-        if pairs:                  # medians of each way and of the paired difference
-            rag["prefix_long_chains_medians_s"] = med = (
-                statistics.median(p["rounds"] for p in pairs), statistics.median(p["long_chains_phased"] for p in pairs),
-                statistics.median(p["long_chains_phased"] - p["rounds"] for p in pairs))
-            print(f"prefix TTFT, interleaved: rounds {med[0] * 1e3:.0f} ms, long chains phased {med[1] * 1e3:.0f} ms; "
-                  f"paired median {med[2] * 1e3:+.0f} ms", flush=True)
-        if args.profile:   # a prefix request that misses after its first segment (profile() runs it twice: the first
-            # run would make the second a full prefix hit, so the profiled one takes an order of its own)
-            orders = iter([[0] + random.Random(200 + k).sample(order_a[1:], args.segments - 1) for k in range(2)])
-            profile("prefix request", lambda: ttft(Prompt(segments=[segs[i] for i in next(orders)], query=query)))
-    llm.set_policy("full", 0)
-    p_full = Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)
-    # (the allocator's cached blocks released first: on an 80 GB card the row ran out of memory with 5 GB reserved
-    # but unallocated after the variants' composers, H100 run 120; and with them released, still, H100 runs 121-122:
-    # 73.2 GB allocated. The composer's buffers and graphs go too: the pic rows are done, a later pic request would
-    # capture again)
+    # the pic rows are done: the composer's buffers and graphs go before the prefix rows (a later pic request captures
+    # again), and the allocator's cached blocks with them (H100 run 138 ran out of memory in the first prefix request
+    # with them held, 76 GB allocated, which cost the JSON)
     if comp is not None:
         comp.clear()
     (torch.cuda.empty_cache() if DEV == "cuda" else None)
+    if args.skip_prefix:                # (an 80 GB card: the prefix cache beside the 35B model may not fit)
+        rag["prefix_s"] = float("nan")
+    else:
+        try:
+            prefix_rows(llm, segs, order_a, query, ttft, args, rag)
+        except torch.OutOfMemoryError as e:   # report it and go on: the rows after it and the JSON still come
+            print(f"prefix rows: out of GPU memory ({str(e)[:160]})", flush=True)
+            rag["prefix_s"], rag["prefix_error"] = float("nan"), f"out of memory: {str(e)[:300]}"
+        llm.engine.prefix.clear()              # (its entries are not read again: the full row gets their memory)
+        (torch.cuda.empty_cache() if DEV == "cuda" else None)
+    llm.set_policy("full", 0)
+    p_full = Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)
     rag["full_s"] = ttft_median(p_full, args.reps)[0]
     rag["full_wall_s"] = statistics.median(walls[-args.reps:])
     print(f"full TTFT: {rag['full_s'] * 1e3:.0f} ms (the generate call's wall {rag['full_wall_s'] * 1e3:.0f} ms)",
