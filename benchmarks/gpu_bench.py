@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import random
 import statistics
 import sys
@@ -280,18 +281,23 @@ def quick(llm, args, ids, ttft, res):
 
 def decode_bench(llm, prompts, steps: int, batches=(1, 8), prof: bool = False):
     """Per-token decode latency after warm pic prefills of long prompts: the dynamic step (a planned
-    batch per step) against the CUDA-graph step (fixed buffers, one replay), side by side."""
+    batch per step) against the CUDA-graph step (fixed buffers, one replay), side by side. A batch that runs out of
+    GPU memory (batch 8 at 32k on an 80 GB card: H100 runs 133 and 140) gets an error entry; the other batches keep
+    their rows."""
     from hypic.runtime.decode import StaticDecoder
 
     eng = llm.engine
     graph_dec = eng.decoder or StaticDecoder(eng.model, eng.device, eng.model.lm_head.weight.dtype, graphs=False)
     out = {}
-    for b in batches:
+    live = []                                          # the requests of the batch being timed (finished on an error)
+
+    def one_batch(b):
         first = {}
         for mode in ("dynamic", "graph"):
             eng.decoder = None if mode == "dynamic" else graph_dec
             reqs = llm.make_requests(prompts[:b], SamplingParams(max_tokens=steps + 8, ignore_eos=True,
                                                                  return_logits=True))
+            live[:] = reqs
             for r in reqs:      # one prefill each (eight 32k prompts at once: out of memory on 80 GB, H100 runs 123-126)
                 eng.accept(r, eng.prefill([r])[0])
 
@@ -323,11 +329,23 @@ def decode_bench(llm, prompts, steps: int, batches=(1, 8), prof: bool = False):
             first[mode] = reqs[0].logits[1]
             for r in reqs:
                 eng.finish(r)
+            live.clear()
             out.setdefault(b, {})[mode + "_s"] = per
             print(f"decode batch {b} ({mode}): {per * 1e3:.2f} ms per step", flush=True)
         d, g = first["dynamic"], first["graph"]
         out[b]["speedup"] = out[b]["dynamic_s"] / out[b]["graph_s"]
         out[b]["first_step_rel_diff"] = float((g - d).norm() / d.norm())
+
+    for b in batches:
+        try:
+            one_batch(b)
+        except torch.OutOfMemoryError as e:
+            print(f"decode batch {b}: out of GPU memory ({str(e)[:160]})", flush=True)
+            out[b] = {"error": f"out of memory: {str(e)[:300]}"}
+            for r in live:             # (their rows released where the decoder holds them; its buffers are rebuilt
+                eng.finish(r)          # at the next batch's shape)
+            live.clear()
+            (torch.cuda.empty_cache() if DEV == "cuda" else None)
     eng.decoder = graph_dec
     out["captures"] = graph_dec.captures if graph_dec else 0
     return out
@@ -994,14 +1012,24 @@ def main():
     if comp is not None:
         comp.clear()
     (torch.cuda.empty_cache() if DEV == "cuda" else None)
+    entry_bytes = llm.cache_stats()["segments"].get("bytes", 0)      # the warm request's cache entries (the floor)
     if args.skip_prefix:                # (an 80 GB card: the prefix cache beside the 35B model may not fit)
         rag["prefix_s"] = float("nan")
     else:
-        try:
-            prefix_rows(llm, segs, order_a, query, ttft, args, rag)
-        except torch.OutOfMemoryError as e:   # report it and go on: the rows after it and the JSON still come
-            print(f"prefix rows: out of GPU memory ({str(e)[:160]})", flush=True)
-            rag["prefix_s"], rag["prefix_error"] = float("nan"), f"out of memory: {str(e)[:300]}"
+        for attempt in range(2):
+            try:
+                prefix_rows(llm, segs, order_a, query, ttft, args, rag)
+                break
+            except torch.OutOfMemoryError as e:   # report it and go on: the rows after it and the JSON still come
+                print(f"prefix rows: out of GPU memory ({str(e)[:160]})", flush=True)
+                rag["prefix_s"], rag["prefix_error"] = float("nan"), f"out of memory: {str(e)[:300]}"
+                llm.engine.prefix.clear()
+                if attempt == 0:       # once more without the segment cache's entries (H100 run 140: 952 MB short
+                    print("prefix rows: again, the segment cache dropped", flush=True)   # with them held)
+                    llm.engine.segments.clear()
+                (torch.cuda.empty_cache() if DEV == "cuda" else None)
+        if "prefix_error" in rag and math.isfinite(rag.get("prefix_s", float("nan"))):
+            rag["prefix_error_first_attempt"] = rag.pop("prefix_error")
         llm.engine.prefix.clear()              # (its entries are not read again: the full row gets their memory)
         (torch.cuda.empty_cache() if DEV == "cuda" else None)
     llm.set_policy("full", 0)
@@ -1022,8 +1050,6 @@ def main():
     experts = getattr(cfg.params, "num_experts", 0) or 0           # 0: a dense model (the CPU dry run's presets)
     active_per_token = (n_all - n_expert - n_embed) + (
         n_expert * cfg.params.num_experts_per_tok / experts if experts else 0)
-    stats = llm.cache_stats()["segments"]
-    entry_bytes = stats.get("bytes", 0)
     active = counts["recomputed"]
     ctx = args.segments * args.seg_len + args.query
     p = cfg.params

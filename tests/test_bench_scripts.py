@@ -35,9 +35,9 @@ def test_gpu_bench_dry_run_has_every_row(tmp_path):
         assert math.isfinite(rag[key]) and rag[key] > 0, key
     assert "prefix_error" not in rag
     assert rag["pic_counts"]["cold"] == 0 and rag["pic_counts"]["recomputed"] == 3 * 8 + 8   # seams + query
-    assert rag["roofline"]["floor_s"] > 0
+    assert rag["roofline"]["floor_s"] > 0 and rag["roofline"]["entry_bytes"] > 0     # (read before the prefix rows)
     assert set(res["ts_overhead"]) == {"64", "128", "3x64"}
     for e in res["ts_overhead"].values():
         assert e["plain_s"] > 0 and e["summarized_s"] > 0
-    assert "error" not in res["decode"]
+    assert "error" not in res["decode"] and all("error" not in res["decode"][b] for b in ("1", "8"))
     assert "| RAG warm TTFT pic (seam 8) |" in p.stdout and "| full prefill 512 tokens |" in p.stdout
