@@ -692,6 +692,29 @@ def prefix_rows(llm, segs, order_a, query, ttft, args, rag):
         profile("prefix request", lambda: ttft(Prompt(segments=[segs[i] for i in next(orders)], query=query)))
 
 
+def prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag):
+    """`prefix_rows`; out of GPU memory, once more without the segment cache's entries (H100 run 140: 952 MB short
+    with them held beside the prefix cache), and out of memory again, an error entry: the rows after them and the JSON
+    still come. The prefix cache is dropped after them (its entries are not read again: the full row gets their
+    memory)."""
+    for attempt in range(2):
+        try:
+            prefix_rows(llm, segs, order_a, query, ttft, args, rag)
+            break
+        except torch.OutOfMemoryError as e:
+            print(f"prefix rows: out of GPU memory ({str(e)[:160]})", flush=True)
+            rag["prefix_s"], rag["prefix_error"] = float("nan"), f"out of memory: {str(e)[:300]}"
+            llm.engine.prefix.clear()
+            if attempt == 0:
+                print("prefix rows: again, the segment cache dropped", flush=True)
+                llm.engine.segments.clear()
+            (torch.cuda.empty_cache() if DEV == "cuda" else None)
+    if "prefix_error" in rag and math.isfinite(rag["prefix_s"]):
+        rag["prefix_error_first_attempt"] = rag.pop("prefix_error")
+    llm.engine.prefix.clear()
+    (torch.cuda.empty_cache() if DEV == "cuda" else None)
+
+
 def _shuffled(order, seed):
     """A copy of the segment order shuffled by random.Random(seed) (the same orders for the same seeds in every run)."""
     order = order[:]
@@ -1016,22 +1039,7 @@ def main():
     if args.skip_prefix:                # (an 80 GB card: the prefix cache beside the 35B model may not fit)
         rag["prefix_s"] = float("nan")
     else:
-        for attempt in range(2):
-            try:
-                prefix_rows(llm, segs, order_a, query, ttft, args, rag)
-                break
-            except torch.OutOfMemoryError as e:   # report it and go on: the rows after it and the JSON still come
-                print(f"prefix rows: out of GPU memory ({str(e)[:160]})", flush=True)
-                rag["prefix_s"], rag["prefix_error"] = float("nan"), f"out of memory: {str(e)[:300]}"
-                llm.engine.prefix.clear()
-                if attempt == 0:       # once more without the segment cache's entries (H100 run 140: 952 MB short
-                    print("prefix rows: again, the segment cache dropped", flush=True)   # with them held)
-                    llm.engine.segments.clear()
-                (torch.cuda.empty_cache() if DEV == "cuda" else None)
-        if "prefix_error" in rag and math.isfinite(rag.get("prefix_s", float("nan"))):
-            rag["prefix_error_first_attempt"] = rag.pop("prefix_error")
-        llm.engine.prefix.clear()              # (its entries are not read again: the full row gets their memory)
-        (torch.cuda.empty_cache() if DEV == "cuda" else None)
+        prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag)
     llm.set_policy("full", 0)
     p_full = Prompt(segments=[segs[i] for i in order_a[::-1]], query=query)
     rag["full_s"] = ttft_median(p_full, args.reps)[0]

@@ -41,3 +41,94 @@ def test_gpu_bench_dry_run_has_every_row(tmp_path):
         assert e["plain_s"] > 0 and e["summarized_s"] > 0
     assert "error" not in res["decode"] and all("error" not in res["decode"][b] for b in ("1", "8"))
     assert "| RAG warm TTFT pic (seam 8) |" in p.stdout and "| full prefill 512 tokens |" in p.stdout
+
+
+def _gpu_bench(monkeypatch):
+    """benchmarks/gpu_bench.py as a module, set for the CPU (its DEV global)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench_under_test", ROOT / "benchmarks" / "gpu_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "DEV", "cpu")
+    return mod
+
+
+def test_decode_rows_survive_a_batch_out_of_memory(monkeypatch):
+    """A decode batch that runs out of GPU memory (batch 8 at 32k on an 80 GB card, H100 runs 133 and 140) gets an
+    error entry; the batch before it keeps its rows, and every request of the failed batch is finished (no state
+    left in the engine's decoder)."""
+    import torch
+
+    from hypic import LLM, Prompt
+
+    gb = _gpu_bench(monkeypatch)
+    llm = LLM("tiny-qwen3.5", cache_mode="pic", seam=4, compose="static", decode="static")
+    prompts = [Prompt(segments=[[5 + i, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], query=[16 + i, 17]) for i in range(2)]
+    eng = llm.engine
+    real_step = eng.step
+    graph_steps = []
+
+    def step(reqs):             # batch 2's second step on the fixed buffers fails, its rows admitted by the first
+        if len(reqs) == 2 and eng.decoder is not None:
+            graph_steps.append(1)
+            if len(graph_steps) == 2:
+                assert len(eng.decoder.row_of) == 2
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB (simulated)")
+        return real_step(reqs)
+
+    monkeypatch.setattr(eng, "step", step)
+    out = gb.decode_bench(llm, prompts, steps=2, batches=(1, 2))
+    assert out[1]["graph_s"] > 0 and out[1]["dynamic_s"] > 0 and "speedup" in out[1]
+    assert out[2]["error"].startswith("out of memory") and "graph_s" not in out[2]
+    assert len(graph_steps) == 2
+    dec = eng.decoder
+    assert dec is not None and not dec.row_of and not dec.reqs       # the failed batch's rows were released
+
+
+def test_prefix_rows_retry_without_the_segment_cache(monkeypatch):
+    """Prefix rows that run out of GPU memory run once more with the segment cache dropped (H100 run 140); a second
+    failure leaves an error entry and NaN rows instead of ending the script. Either way the prefix cache is empty
+    afterwards (the full row gets its memory)."""
+    import math
+
+    import torch
+
+    from hypic import LLM, Prompt, SamplingParams
+
+    gb = _gpu_bench(monkeypatch)
+    llm = LLM("tiny-qwen3.5", cache_mode="pic", seam=4)
+    segs = [[5 + i, 6 + i, 7, 8, 9, 10, 11] for i in range(3)]
+    query = [20, 21]
+    order_a = [0, 1, 2]
+
+    def ttft(prompt):
+        o = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
+        return o.ttft_s, o
+
+    class Args:
+        reps, segments, profile = 2, 3, False
+
+    real = gb.prefix_rows
+    for fails in (1, 2):
+        llm.set_policy("pic", 4)
+        ttft(Prompt(segments=segs, query=query))                    # the segment cache holds the three
+        assert llm.cache_stats()["segments"]["entries"] == 3
+        calls = []
+
+        def rows(*a, fails=fails):
+            calls.append(llm.cache_stats()["segments"]["entries"])
+            if len(calls) <= fails:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 952.00 MiB (simulated)")
+            return real(*a)
+
+        monkeypatch.setattr(gb, "prefix_rows", rows)
+        rag = {}
+        gb.prefix_rows_fitted(llm, segs, order_a, query, ttft, Args, rag)
+        assert calls == [3, 0]                                      # the second try without the segment cache
+        if fails == 1:
+            assert math.isfinite(rag["prefix_s"]) and "prefix_error" not in rag
+            assert rag["prefix_error_first_attempt"].startswith("out of memory")
+        else:
+            assert math.isnan(rag["prefix_s"]) and rag["prefix_error"].startswith("out of memory")
+        assert llm.cache_stats()["prefix"]["bytes"] == 0
