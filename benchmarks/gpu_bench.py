@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import math
 import random
 import statistics
 import sys
@@ -697,20 +696,23 @@ def prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag):
     with them held beside the prefix cache), and out of memory again, an error entry: the rows after them and the JSON
     still come. The prefix cache is dropped after them (its entries are not read again: the full row gets their
     memory)."""
+    errors = []
     for attempt in range(2):
         try:
             prefix_rows(llm, segs, order_a, query, ttft, args, rag)
             break
         except torch.OutOfMemoryError as e:
             print(f"prefix rows: out of GPU memory ({str(e)[:160]})", flush=True)
-            rag["prefix_s"], rag["prefix_error"] = float("nan"), f"out of memory: {str(e)[:300]}"
+            errors.append(f"out of memory: {str(e)[:300]}")
             llm.engine.prefix.clear()
             if attempt == 0:
                 print("prefix rows: again, the segment cache dropped", flush=True)
                 llm.engine.segments.clear()
             (torch.cuda.empty_cache() if DEV == "cuda" else None)
-    if "prefix_error" in rag and math.isfinite(rag["prefix_s"]):
-        rag["prefix_error_first_attempt"] = rag.pop("prefix_error")
+    else:                                        # out of memory both times
+        rag["prefix_s"], rag["prefix_error"] = float("nan"), errors[-1]
+    if len(errors) == 1:
+        rag["prefix_error_first_attempt"] = errors[0]
     llm.engine.prefix.clear()
     (torch.cuda.empty_cache() if DEV == "cuda" else None)
 

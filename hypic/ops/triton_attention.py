@@ -261,9 +261,10 @@ FOLD_BUCKET = 8
 # code at git cbbacab. What it left: a program whose keys no row sees writes m and l alone (SKIP_EMPTY; the fold
 # does not read its partial sums), and an unbalanced split searches the prefix's end in its own range.)
 # the unmasked key blocks' (FULL_FAST) key and value tiles read by tensor descriptors (TMA bulk copies on sm_90+, the
-# tile's addresses not computed by the threads) where the tiles cover the head dims; False: by pointers (42nd session). H100:
-# attention_bench 380 against 354 us (run 133), in the warm request -0.06 and -0.09 ms paired (runs 133, 134; the
-# partials -155 us in run 133's profile), within the rounds' spread: off (gpu_bench variant attention_tma)
+# tile's addresses not computed by the threads) where the tiles cover the head dims; False: by pointers (42nd
+# session). H100: attention_bench 380 against 354 us (run 133), in the warm request -0.06 and -0.09 ms paired (runs
+# 133, 134; the partials -155 us in run 133's profile), within the rounds' spread: off (gpu_bench variant
+# attention_tma)
 TMA_KV = False
 
 
@@ -284,8 +285,8 @@ def position_attention(q, k, v, q_pos, k_pos, *, scale: float, sorted_keys: bool
     the shapes. Block sizes, warps, stages: the fastest of gpu_check's run-13 timings (256 queries x 33k
     keys, head dim 256, H200) unless given; stages 1 under Triton's interpreter.
     full_fast, fused_fold, balance, vsplit, tma (None: the module's FULL_FAST, FUSED_FOLD, BALANCE, VSPLIT, TMA_KV): the
-    forms named there; full_fast and balance act on sorted keys only, tma with full_fast where the tiles cover the head dims
-    and `tuning.descriptors_fit`.
+    forms named there; full_fast and balance act on sorted keys only, tma with full_fast where the tiles cover the
+    head dims and `tuning.descriptors_fit`.
     Key and value head dims that differ (MLA: Kimi-Linear's 24 / 16) made the compiled kernel fault at their own block
     widths (H200, twenty-eighth session; right in the interpreter); at one block width for both, the larger, it runs
     (H100, twenty-ninth session: 24 / 16, 32 / 16, 16 / 32, benchmarks/attn_probe.py --same-width). same_width (None:
