@@ -691,15 +691,28 @@ def prefix_rows(llm, segs, order_a, query, ttft, args, rag):
         profile("prefix request", lambda: ttft(Prompt(segments=[segs[i] for i in next(orders)], query=query)))
 
 
+# the prefix rows' last try: forwards of at most this many tokens (EngineConfig.prefill_chunk_tokens), as a server on a
+# card too small for the default would be set; the row then says so (`prefix_prefill_chunk_tokens`)
+PREFIX_FALLBACK_CHUNK = 8192
+
+
 def prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag):
     """`prefix_rows`; out of GPU memory, once more without the segment cache's entries (H100 run 140: 952 MB short
-    with them held beside the prefix cache), and out of memory again, an error entry: the rows after them and the JSON
-    still come. The prefix cache is dropped after them (its entries are not read again: the full row gets their
-    memory)."""
+    with them held beside the prefix cache), then once more in forwards of at most PREFIX_FALLBACK_CHUNK tokens (H100
+    run 141: the warm prefix request's forward of 30,464 tokens was 902 MB short without them), and out of memory
+    every time, an error entry: the rows after them and the JSON still come. The prefix cache is dropped after them
+    (its entries are not read again: the full row gets their memory)."""
     errors = []
-    for attempt in range(2):
+    config = llm.config
+    for attempt in range(3):
+        chunk = PREFIX_FALLBACK_CHUNK if attempt == 2 else None
+        if chunk is not None:           # (on the LLM's config: prefix_rows' set_policy hands it to the engine)
+            llm.config = config.replace(prefill_chunk_tokens=min(chunk, config.prefill_chunk_tokens))
+            llm.engine.config = llm.config
         try:
             prefix_rows(llm, segs, order_a, query, ttft, args, rag)
+            if chunk is not None:
+                rag["prefix_prefill_chunk_tokens"] = llm.config.prefill_chunk_tokens
             break
         except torch.OutOfMemoryError as e:
             print(f"prefix rows: out of GPU memory ({str(e)[:160]})", flush=True)
@@ -708,11 +721,16 @@ def prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag):
             if attempt == 0:
                 print("prefix rows: again, the segment cache dropped", flush=True)
                 llm.engine.segments.clear()
+            elif attempt == 1:
+                print(f"prefix rows: again, in forwards of at most {PREFIX_FALLBACK_CHUNK} tokens", flush=True)
             (torch.cuda.empty_cache() if DEV == "cuda" else None)
-    else:                                        # out of memory both times
+        finally:
+            llm.config = config.replace(policy=llm.config.policy)     # the chunk back; the policy as the rows left it
+            llm.engine.config = llm.config
+    else:                                        # out of memory every time
         rag["prefix_s"], rag["prefix_error"] = float("nan"), errors[-1]
-    if len(errors) == 1:
-        rag["prefix_error_first_attempt"] = errors[0]
+    if errors and len(errors) < 3:
+        rag["prefix_errors_before"] = errors
     llm.engine.prefix.clear()
     (torch.cuda.empty_cache() if DEV == "cuda" else None)
 
@@ -1119,7 +1137,9 @@ def main():
             d_own = rag.get(f"pic_warm_{name}_default_interleaved_s", d_int)       # its own group's default
             print(f"| RAG warm TTFT pic, interleaved: default vs variant {name} | {d_own * 1e3:.1f} ms | "
                   f"{v * 1e3:.1f} ms | {v / d_own:.3f}x | paired by round: {pd * 1e3:+.2f} ms |")
-    print(f"| RAG warm TTFT pic vs prefix | {rag['pic_warm_s'] * 1e3:.1f} ms | prefix {rag['prefix_s'] * 1e3:.0f} ms | "
+    chunked = (f" (forwards of at most {rag['prefix_prefill_chunk_tokens']} tokens)"
+               if "prefix_prefill_chunk_tokens" in rag else "")
+    print(f"| RAG warm TTFT pic vs prefix{chunked} | {rag['pic_warm_s'] * 1e3:.1f} ms | prefix {rag['prefix_s'] * 1e3:.0f} ms | "
           f"{rag['pic_vs_prefix']:.1f}x | |")
     if rag.get("prefix_long_chains"):
         a, b, pd = rag["prefix_long_chains_medians_s"]

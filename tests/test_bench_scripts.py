@@ -86,10 +86,11 @@ def test_decode_rows_survive_a_batch_out_of_memory(monkeypatch):
     assert dec is not None and not dec.row_of and not dec.reqs       # the failed batch's rows were released
 
 
-def test_prefix_rows_retry_without_the_segment_cache(monkeypatch):
-    """Prefix rows that run out of GPU memory run once more with the segment cache dropped (H100 run 140); a second
-    failure leaves an error entry and NaN rows instead of ending the script. Either way the prefix cache is empty
-    afterwards (the full row gets its memory)."""
+def test_prefix_rows_retry_without_the_segment_cache_then_chunked(monkeypatch):
+    """Prefix rows that run out of GPU memory run once more with the segment cache dropped (H100 run 140), then once
+    more in forwards of at most PREFIX_FALLBACK_CHUNK tokens (H100 run 141), which the row then names; a third failure
+    leaves an error entry and NaN rows instead of ending the script. Either way the prefix cache is empty afterwards
+    (the full row gets its memory) and the engine's chunk is its own again."""
     import math
 
     import torch
@@ -97,12 +98,16 @@ def test_prefix_rows_retry_without_the_segment_cache(monkeypatch):
     from hypic import LLM, Prompt, SamplingParams
 
     gb = _gpu_bench(monkeypatch)
+    monkeypatch.setattr(gb, "PREFIX_FALLBACK_CHUNK", 8)   # the 23-token populating request then runs in parts
     llm = LLM("tiny-qwen3.5", cache_mode="pic", seam=4)
+    default_chunk = llm.config.prefill_chunk_tokens
     segs = [[5 + i, 6 + i, 7, 8, 9, 10, 11] for i in range(3)]
     query = [20, 21]
     order_a = [0, 1, 2]
+    seen_chunks = []
 
     def ttft(prompt):
+        seen_chunks.append(llm.engine.config.prefill_chunk_tokens)    # what the engine runs the request with
         o = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
         return o.ttft_s, o
 
@@ -110,7 +115,7 @@ def test_prefix_rows_retry_without_the_segment_cache(monkeypatch):
         reps, segments, profile = 2, 3, False
 
     real = gb.prefix_rows
-    for fails in (1, 2):
+    for fails in (1, 2, 3):
         llm.set_policy("pic", 4)
         ttft(Prompt(segments=segs, query=query))                    # the segment cache holds the three
         assert llm.cache_stats()["segments"]["entries"] == 3
@@ -120,15 +125,25 @@ def test_prefix_rows_retry_without_the_segment_cache(monkeypatch):
             calls.append(llm.cache_stats()["segments"]["entries"])
             if len(calls) <= fails:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 952.00 MiB (simulated)")
+            del seen_chunks[:]
             return real(*a)
 
         monkeypatch.setattr(gb, "prefix_rows", rows)
         rag = {}
         gb.prefix_rows_fitted(llm, segs, order_a, query, ttft, Args, rag)
-        assert calls == [3, 0]                                      # the second try without the segment cache
+        assert calls == ([3, 0] if fails == 1 else [3, 0, 0])       # the second try without the segment cache
         if fails == 1:
             assert math.isfinite(rag["prefix_s"]) and "prefix_error" not in rag
-            assert rag["prefix_error_first_attempt"].startswith("out of memory")
+            assert [e[:13] for e in rag["prefix_errors_before"]] == ["out of memory"]
+            assert "prefix_prefill_chunk_tokens" not in rag and set(seen_chunks) == {default_chunk}
+        elif fails == 2:
+            assert math.isfinite(rag["prefix_s"]) and "prefix_error" not in rag
+            assert len(rag["prefix_errors_before"]) == 2
+            # the chunk held through prefix_rows' set_policy, on every request of the rows
+            assert rag["prefix_prefill_chunk_tokens"] == 8 and set(seen_chunks) == {8}
         else:
             assert math.isnan(rag["prefix_s"]) and rag["prefix_error"].startswith("out of memory")
+            assert "prefix_errors_before" not in rag and "prefix_prefill_chunk_tokens" not in rag
         assert llm.cache_stats()["prefix"]["bytes"] == 0
+        assert llm.config.prefill_chunk_tokens == default_chunk == llm.engine.config.prefill_chunk_tokens
+        assert llm.cache_mode == "prefix" or fails == 3
