@@ -1139,8 +1139,8 @@ def main():
                   f"{v * 1e3:.1f} ms | {v / d_own:.3f}x | paired by round: {pd * 1e3:+.2f} ms |")
     chunked = (f" (forwards of at most {rag['prefix_prefill_chunk_tokens']} tokens)"
                if "prefix_prefill_chunk_tokens" in rag else "")
-    print(f"| RAG warm TTFT pic vs prefix{chunked} | {rag['pic_warm_s'] * 1e3:.1f} ms | prefix {rag['prefix_s'] * 1e3:.0f} ms | "
-          f"{rag['pic_vs_prefix']:.1f}x | |")
+    print(f"| RAG warm TTFT pic vs prefix{chunked} | {rag['pic_warm_s'] * 1e3:.1f} ms | "
+          f"prefix {rag['prefix_s'] * 1e3:.0f} ms | {rag['pic_vs_prefix']:.1f}x | |")
     if rag.get("prefix_long_chains"):
         a, b, pd = rag["prefix_long_chains_medians_s"]
         print(f"| RAG prefix TTFT, interleaved: rounds vs long chains phased | {a * 1e3:.0f} ms | {b * 1e3:.0f} ms | "
