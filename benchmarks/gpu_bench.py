@@ -278,6 +278,12 @@ def quick(llm, args, ids, ttft, res):
     (Path(args.out) / "gpu_bench_quick.json").write_text(json.dumps(res, indent=1, default=str))
 
 
+def oom_entry(what: str, e: BaseException) -> str:
+    """Prints that `what` ran out of GPU memory and returns the JSON's error entry for it."""
+    print(f"{what}: out of GPU memory ({str(e)[:160]})", flush=True)
+    return f"out of memory: {str(e)[:300]}"
+
+
 def decode_bench(llm, prompts, steps: int, batches=(1, 8), prof: bool = False):
     """Per-token decode latency after warm pic prefills of long prompts: the dynamic step (a planned
     batch per step) against the CUDA-graph step (fixed buffers, one replay), side by side. A batch that runs out of
@@ -339,8 +345,7 @@ def decode_bench(llm, prompts, steps: int, batches=(1, 8), prof: bool = False):
         try:
             one_batch(b)
         except torch.OutOfMemoryError as e:
-            print(f"decode batch {b}: out of GPU memory ({str(e)[:160]})", flush=True)
-            out[b] = {"error": f"out of memory: {str(e)[:300]}"}
+            out[b] = {"error": oom_entry(f"decode batch {b}", e)}
             for r in live:             # (their rows released where the decoder holds them; its buffers are rebuilt
                 eng.finish(r)          # at the next batch's shape)
             live.clear()
@@ -713,10 +718,11 @@ def prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag):
             prefix_rows(llm, segs, order_a, query, ttft, args, rag)
             if chunk is not None:
                 rag["prefix_prefill_chunk_tokens"] = llm.config.prefill_chunk_tokens
+            if errors:                           # the tries before the one that fitted
+                rag["prefix_errors_before"] = errors
             break
         except torch.OutOfMemoryError as e:
-            print(f"prefix rows: out of GPU memory ({str(e)[:160]})", flush=True)
-            errors.append(f"out of memory: {str(e)[:300]}")
+            errors.append(oom_entry("prefix rows", e))
             llm.engine.prefix.clear()
             if attempt == 0:
                 print("prefix rows: again, the segment cache dropped", flush=True)
@@ -729,8 +735,6 @@ def prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag):
             llm.engine.config = llm.config
     else:                                        # out of memory every time
         rag["prefix_s"], rag["prefix_error"] = float("nan"), errors[-1]
-    if errors and len(errors) < 3:
-        rag["prefix_errors_before"] = errors
     llm.engine.prefix.clear()
     (torch.cuda.empty_cache() if DEV == "cuda" else None)
 

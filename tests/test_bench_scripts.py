@@ -91,8 +91,6 @@ def test_prefix_rows_retry_without_the_segment_cache_then_chunked(monkeypatch):
     more in forwards of at most PREFIX_FALLBACK_CHUNK tokens (H100 run 141), which the row then names; a third failure
     leaves an error entry and NaN rows instead of ending the script. Either way the prefix cache is empty afterwards
     (the full row gets its memory) and the engine's chunk is its own again."""
-    import math
-
     import torch
 
     from hypic import LLM, Prompt, SamplingParams
