@@ -696,28 +696,37 @@ def prefix_rows(llm, segs, order_a, query, ttft, args, rag):
         profile("prefix request", lambda: ttft(Prompt(segments=[segs[i] for i in next(orders)], query=query)))
 
 
-# the prefix rows' last try: forwards of at most this many tokens (EngineConfig.prefill_chunk_tokens), as a server on a
-# card too small for the default would be set; the row then says so (`prefix_prefill_chunk_tokens`)
+# the prefix rows' last try: forwards of at most this many tokens (EngineConfig.prefill_chunk_tokens), and a prefix
+# cache of at most this many bytes, as a server on a card too small for the defaults would be set; the row then says
+# so (`prefix_prefill_chunk_tokens`, `prefix_cache_bytes`). The cache bound: each request that misses after its first
+# segment stores ~1.9 GB of new nodes, so the 16 GB default filled the H100's last ~9 GB over the rows' requests, and
+# their third took 20.1 s against 0.98-0.99 s for the first two, then the next request ran out of memory (run 142)
 PREFIX_FALLBACK_CHUNK = 8192
+PREFIX_FALLBACK_CACHE_BYTES = 4 << 30
 
 
 def prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag):
     """`prefix_rows`; out of GPU memory, once more without the segment cache's entries (H100 run 140: 952 MB short
     with them held beside the prefix cache), then once more in forwards of at most PREFIX_FALLBACK_CHUNK tokens (H100
-    run 141: the warm prefix request's forward of 30,464 tokens was 902 MB short without them), and out of memory
+    run 141: the warm prefix request's forward of 30,464 tokens was 902 MB short without them) with the prefix
+    cache bounded to PREFIX_FALLBACK_CACHE_BYTES (run 142: the nodes of the rows' requests filled the card), and out
+    of memory
     every time, an error entry: the rows after them and the JSON still come. The prefix cache is dropped after them
     (its entries are not read again: the full row gets their memory)."""
     errors = []
-    config = llm.config
+    config, store = llm.config, llm.engine.prefix.store
+    capacity = store.stats().capacity_bytes
     for attempt in range(3):
         chunk = PREFIX_FALLBACK_CHUNK if attempt == 2 else None
         if chunk is not None:           # (on the LLM's config: prefix_rows' set_policy hands it to the engine)
             llm.config = config.replace(prefill_chunk_tokens=min(chunk, config.prefill_chunk_tokens))
             llm.engine.config = llm.config
+            store.set_capacity(min(PREFIX_FALLBACK_CACHE_BYTES, capacity))
         try:
             prefix_rows(llm, segs, order_a, query, ttft, args, rag)
             if chunk is not None:
                 rag["prefix_prefill_chunk_tokens"] = llm.config.prefill_chunk_tokens
+                rag["prefix_cache_bytes"] = store.stats().capacity_bytes
             if errors:                           # the tries before the one that fitted
                 rag["prefix_errors_before"] = errors
             break
@@ -728,11 +737,13 @@ def prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag):
                 print("prefix rows: again, the segment cache dropped", flush=True)
                 llm.engine.segments.clear()
             elif attempt == 1:
-                print(f"prefix rows: again, in forwards of at most {PREFIX_FALLBACK_CHUNK} tokens", flush=True)
+                print(f"prefix rows: again, in forwards of at most {PREFIX_FALLBACK_CHUNK} tokens and a prefix cache "
+                      f"of at most {PREFIX_FALLBACK_CACHE_BYTES >> 30} GiB", flush=True)
             (torch.cuda.empty_cache() if DEV == "cuda" else None)
         finally:
             llm.config = config.replace(policy=llm.config.policy)     # the chunk back; the policy as the rows left it
             llm.engine.config = llm.config
+            store.set_capacity(capacity)                               # the prefix cache's own budget back
     else:                                        # out of memory every time
         rag["prefix_s"], rag["prefix_error"] = float("nan"), errors[-1]
     llm.engine.prefix.clear()
@@ -1141,7 +1152,8 @@ def main():
             d_own = rag.get(f"pic_warm_{name}_default_interleaved_s", d_int)       # its own group's default
             print(f"| RAG warm TTFT pic, interleaved: default vs variant {name} | {d_own * 1e3:.1f} ms | "
                   f"{v * 1e3:.1f} ms | {v / d_own:.3f}x | paired by round: {pd * 1e3:+.2f} ms |")
-    chunked = (f" (forwards of at most {rag['prefix_prefill_chunk_tokens']} tokens)"
+    chunked = (f" (forwards of at most {rag['prefix_prefill_chunk_tokens']} tokens, prefix cache "
+               f"{rag['prefix_cache_bytes'] >> 30} GiB)"
                if "prefix_prefill_chunk_tokens" in rag else "")
     print(f"| RAG warm TTFT pic vs prefix{chunked} | {rag['pic_warm_s'] * 1e3:.1f} ms | "
           f"prefix {rag['prefix_s'] * 1e3:.0f} ms | {rag['pic_vs_prefix']:.1f}x | |")

@@ -88,24 +88,29 @@ def test_decode_rows_survive_a_batch_out_of_memory(monkeypatch):
 
 def test_prefix_rows_retry_without_the_segment_cache_then_chunked(monkeypatch):
     """Prefix rows that run out of GPU memory run once more with the segment cache dropped (H100 run 140), then once
-    more in forwards of at most PREFIX_FALLBACK_CHUNK tokens (H100 run 141), which the row then names; a third failure
+    more in forwards of at most PREFIX_FALLBACK_CHUNK tokens (H100 run 141) and a prefix cache bounded to
+    PREFIX_FALLBACK_CACHE_BYTES (run 142), which the row then names; a third failure
     leaves an error entry and NaN rows instead of ending the script. Either way the prefix cache is empty afterwards
-    (the full row gets its memory) and the engine's chunk is its own again."""
+    (the full row gets its memory) and the engine's chunk and prefix budget are its own again."""
     import torch
 
     from hypic import LLM, Prompt, SamplingParams
 
     gb = _gpu_bench(monkeypatch)
     monkeypatch.setattr(gb, "PREFIX_FALLBACK_CHUNK", 8)   # the 23-token populating request then runs in parts
+    monkeypatch.setattr(gb, "PREFIX_FALLBACK_CACHE_BYTES", 1 << 20)
     llm = LLM("tiny-qwen3.5", cache_mode="pic", seam=4)
     default_chunk = llm.config.prefill_chunk_tokens
+    default_capacity = llm.cache_stats()["prefix"]["capacity_bytes"]
+    assert default_capacity > 1 << 20
     segs = [[5 + i, 6 + i, 7, 8, 9, 10, 11] for i in range(3)]
     query = [20, 21]
     order_a = [0, 1, 2]
     seen_chunks = []
 
     def ttft(prompt):
-        seen_chunks.append(llm.engine.config.prefill_chunk_tokens)    # what the engine runs the request with
+        seen_chunks.append((llm.engine.config.prefill_chunk_tokens,     # what the engine runs the request with
+                            llm.cache_stats()["prefix"]["capacity_bytes"]))
         o = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
         return o.ttft_s, o
 
@@ -133,15 +138,18 @@ def test_prefix_rows_retry_without_the_segment_cache_then_chunked(monkeypatch):
         if fails == 1:
             assert math.isfinite(rag["prefix_s"]) and "prefix_error" not in rag
             assert [e[:13] for e in rag["prefix_errors_before"]] == ["out of memory"]
-            assert "prefix_prefill_chunk_tokens" not in rag and set(seen_chunks) == {default_chunk}
+            assert "prefix_prefill_chunk_tokens" not in rag and set(seen_chunks) == {(default_chunk, default_capacity)}
         elif fails == 2:
             assert math.isfinite(rag["prefix_s"]) and "prefix_error" not in rag
             assert len(rag["prefix_errors_before"]) == 2
-            # the chunk held through prefix_rows' set_policy, on every request of the rows
-            assert rag["prefix_prefill_chunk_tokens"] == 8 and set(seen_chunks) == {8}
+            # the chunk held through prefix_rows' set_policy, and the bounded prefix cache, on every request of the rows
+            assert rag["prefix_prefill_chunk_tokens"] == 8 and rag["prefix_cache_bytes"] == 1 << 20
+            assert set(seen_chunks) == {(8, 1 << 20)} and rag["prefix_counts"]["prefix"] > 0   # (the hit still comes)
         else:
             assert math.isnan(rag["prefix_s"]) and rag["prefix_error"].startswith("out of memory")
             assert "prefix_errors_before" not in rag and "prefix_prefill_chunk_tokens" not in rag
+            assert "prefix_cache_bytes" not in rag
         assert llm.cache_stats()["prefix"]["bytes"] == 0
+        assert llm.cache_stats()["prefix"]["capacity_bytes"] == default_capacity      # its own budget back
         assert llm.config.prefill_chunk_tokens == default_chunk == llm.engine.config.prefill_chunk_tokens
         assert llm.cache_mode == "prefix" or fails == 3

@@ -52,6 +52,30 @@ def test_memory_store_reports_what_it_evicts():
     assert seen == ["a"] and len(s) == 0
 
 
+def test_memory_store_shrinks_to_a_new_capacity_evicting_as_put_does():
+    """set_capacity: the least recent entries go until the rest fit (each reported), later puts keep the new bound,
+    and a larger budget evicts nothing; a negative one is refused with the store unchanged."""
+    class V:
+        def __init__(self, n):
+            self.nbytes = n
+
+    seen = []
+    s = MemoryStore(20, on_evict=lambda k, v: seen.append(k))
+    for k in "abcd":
+        s.put(k, V(4))
+    s.get("a")                                 # the most recent now: b goes first
+    assert s.set_capacity(9) == 2 and seen == ["b", "c"] and set(s.keys()) == {"d", "a"}
+    assert s.stats().capacity_bytes == 9 and s.stats().bytes == 8 and s.stats().evictions == 2
+    s.put("e", V(4))                           # over 9: the least recent (d) goes
+    assert seen == ["b", "c", "d"] and s.stats().bytes == 8
+    assert not s.put("f", V(10))               # over the new budget: refused
+    assert s.set_capacity(100) == 0 and s.stats().capacity_bytes == 100
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        s.set_capacity(-1)
+    assert s.stats().capacity_bytes == 100 and len(s) == 2
+    s.check()
+
+
 def test_host_tier_takes_evicted_entries_and_gives_them_back(plain):
     """A device tier of two entries and a host tier: five cold segments leave three on the host; the reordered
     request promotes them back, with no prefill, and composes the same logits bit for bit."""

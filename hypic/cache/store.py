@@ -77,6 +77,18 @@ class MemoryStore:
         self._clock = self._prio[best]
         return best
 
+    def _evict_to(self, limit: int) -> list:
+        """Evicts (under the lock) until the entries hold at most `limit` bytes; returns the (key, value) pairs."""
+        evicted = []
+        while self._data and self._stats.bytes > limit:
+            ek = self._victim()
+            ev = self._data.pop(ek)
+            self._prio.pop(ek, None)
+            self._stats.bytes -= ev.nbytes
+            self._stats.evictions += 1
+            evicted.append((ek, ev))
+        return evicted
+
     def get(self, key):
         with self._lock:
             v = self._data.get(key)
@@ -95,7 +107,6 @@ class MemoryStore:
 
     def put(self, key, value) -> bool:
         size = value.nbytes
-        evicted = []
         with self._lock:
             cap = self._stats.capacity_bytes
             if size > cap:
@@ -104,13 +115,7 @@ class MemoryStore:
             old = self._data.pop(key, None)
             if old is not None:
                 self._stats.bytes -= old.nbytes
-            while self._data and self._stats.bytes + size > cap:
-                ek = self._victim()
-                ev = self._data.pop(ek)
-                self._prio.pop(ek, None)
-                self._stats.bytes -= ev.nbytes
-                self._stats.evictions += 1
-                evicted.append((ek, ev))
+            evicted = self._evict_to(cap - size)
             self._data[key] = value
             self._touch(key, value)
             self._stats.bytes += size
@@ -119,6 +124,19 @@ class MemoryStore:
             for ek, ev in evicted:
                 self._on_evict(ek, ev)
         return True
+
+    def set_capacity(self, capacity_bytes: int) -> int:
+        """A new byte budget, the entries over it evicted as by put (on_evict called for each); returns how many went.
+        (An operator's bound on a running engine's cache, e.g. to leave a smaller card room for its forwards.)"""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        with self._lock:
+            self._stats.capacity_bytes = capacity_bytes
+            evicted = self._evict_to(capacity_bytes)
+        if self._on_evict is not None:
+            for ek, ev in evicted:
+                self._on_evict(ek, ev)
+        return len(evicted)
 
     def pop(self, key):
         """Removes and returns the value (None if absent), without counting a hit or a miss."""
