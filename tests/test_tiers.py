@@ -37,11 +37,14 @@ def _entry_bytes(plain) -> int:
     return plain.cache_stats()["segments"]["bytes"]
 
 
-def test_memory_store_reports_what_it_evicts():
-    class V:
-        def __init__(self, n):
-            self.nbytes = n
+class V:
+    """A stored value of n bytes."""
 
+    def __init__(self, n):
+        self.nbytes = n
+
+
+def test_memory_store_reports_what_it_evicts():
     seen = []
     s = MemoryStore(10, on_evict=lambda k, v: seen.append(k))
     for k in "abc":
@@ -55,10 +58,6 @@ def test_memory_store_reports_what_it_evicts():
 def test_memory_store_shrinks_to_a_new_capacity_evicting_as_put_does():
     """set_capacity: the least recent entries go until the rest fit (each reported), later puts keep the new bound,
     and a larger budget evicts nothing; a negative one is refused with the store unchanged."""
-    class V:
-        def __init__(self, n):
-            self.nbytes = n
-
     seen = []
     s = MemoryStore(20, on_evict=lambda k, v: seen.append(k))
     for k in "abcd":
