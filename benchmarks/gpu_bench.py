@@ -710,9 +710,8 @@ def prefix_rows_fitted(llm, segs, order_a, query, ttft, args, rag):
     with them held beside the prefix cache), then once more in forwards of at most PREFIX_FALLBACK_CHUNK tokens (H100
     run 141: the warm prefix request's forward of 30,464 tokens was 902 MB short without them) with the prefix
     cache bounded to PREFIX_FALLBACK_CACHE_BYTES (run 142: the nodes of the rows' requests filled the card), and out
-    of memory
-    every time, an error entry: the rows after them and the JSON still come. The prefix cache is dropped after them
-    (its entries are not read again: the full row gets their memory)."""
+    of memory every time, an error entry: the rows after them and the JSON still come. The prefix cache is dropped
+    after them (its entries are not read again: the full row gets their memory) and gets its own budget back."""
     errors = []
     config, store = llm.config, llm.engine.prefix.store
     capacity = store.stats().capacity_bytes

@@ -89,9 +89,9 @@ def test_decode_rows_survive_a_batch_out_of_memory(monkeypatch):
 def test_prefix_rows_retry_without_the_segment_cache_then_chunked(monkeypatch):
     """Prefix rows that run out of GPU memory run once more with the segment cache dropped (H100 run 140), then once
     more in forwards of at most PREFIX_FALLBACK_CHUNK tokens (H100 run 141) and a prefix cache bounded to
-    PREFIX_FALLBACK_CACHE_BYTES (run 142), which the row then names; a third failure
-    leaves an error entry and NaN rows instead of ending the script. Either way the prefix cache is empty afterwards
-    (the full row gets its memory) and the engine's chunk and prefix budget are its own again."""
+    PREFIX_FALLBACK_CACHE_BYTES (run 142), which the row then names; a third failure leaves an error entry and NaN
+    rows instead of ending the script. Either way the prefix cache is empty afterwards (the full row gets its memory)
+    and the engine's chunk and prefix budget are its own again."""
     import torch
 
     from hypic import LLM, Prompt, SamplingParams
