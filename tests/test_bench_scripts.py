@@ -106,10 +106,10 @@ def test_prefix_rows_retry_without_the_segment_cache_then_chunked(monkeypatch):
     segs = [[5 + i, 6 + i, 7, 8, 9, 10, 11] for i in range(3)]
     query = [20, 21]
     order_a = [0, 1, 2]
-    seen_chunks = []
+    seen_settings = []
 
     def ttft(prompt):
-        seen_chunks.append((llm.engine.config.prefill_chunk_tokens,     # what the engine runs the request with
+        seen_settings.append((llm.engine.config.prefill_chunk_tokens,     # what the engine runs the request with
                             llm.cache_stats()["prefix"]["capacity_bytes"]))
         o = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
         return o.ttft_s, o
@@ -128,7 +128,7 @@ def test_prefix_rows_retry_without_the_segment_cache_then_chunked(monkeypatch):
             calls.append(llm.cache_stats()["segments"]["entries"])
             if len(calls) <= fails:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 952.00 MiB (simulated)")
-            del seen_chunks[:]
+            del seen_settings[:]
             return real(*a)
 
         monkeypatch.setattr(gb, "prefix_rows", rows)
@@ -138,13 +138,13 @@ def test_prefix_rows_retry_without_the_segment_cache_then_chunked(monkeypatch):
         if fails == 1:
             assert math.isfinite(rag["prefix_s"]) and "prefix_error" not in rag
             assert [e[:13] for e in rag["prefix_errors_before"]] == ["out of memory"]
-            assert "prefix_prefill_chunk_tokens" not in rag and set(seen_chunks) == {(default_chunk, default_capacity)}
+            assert "prefix_prefill_chunk_tokens" not in rag and set(seen_settings) == {(default_chunk, default_capacity)}
         elif fails == 2:
             assert math.isfinite(rag["prefix_s"]) and "prefix_error" not in rag
             assert len(rag["prefix_errors_before"]) == 2
             # the chunk held through prefix_rows' set_policy, and the bounded prefix cache, on every request of the rows
             assert rag["prefix_prefill_chunk_tokens"] == 8 and rag["prefix_cache_bytes"] == 1 << 20
-            assert set(seen_chunks) == {(8, 1 << 20)} and rag["prefix_counts"]["prefix"] > 0   # (the hit still comes)
+            assert set(seen_settings) == {(8, 1 << 20)} and rag["prefix_counts"]["prefix"] > 0   # (the hit still comes)
         else:
             assert math.isnan(rag["prefix_s"]) and rag["prefix_error"].startswith("out of memory")
             assert "prefix_errors_before" not in rag and "prefix_prefill_chunk_tokens" not in rag

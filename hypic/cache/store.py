@@ -89,6 +89,12 @@ class MemoryStore:
             evicted.append((ek, ev))
         return evicted
 
+    def _report(self, evicted: list) -> None:
+        """on_evict for each (key, value) evicted, called after the lock is released."""
+        if self._on_evict is not None:
+            for ek, ev in evicted:
+                self._on_evict(ek, ev)
+
     def get(self, key):
         with self._lock:
             v = self._data.get(key)
@@ -120,9 +126,7 @@ class MemoryStore:
             self._touch(key, value)
             self._stats.bytes += size
             self._stats.insertions += 1
-        if self._on_evict is not None:
-            for ek, ev in evicted:
-                self._on_evict(ek, ev)
+        self._report(evicted)
         return True
 
     def set_capacity(self, capacity_bytes: int) -> int:
@@ -133,9 +137,7 @@ class MemoryStore:
         with self._lock:
             self._stats.capacity_bytes = capacity_bytes
             evicted = self._evict_to(capacity_bytes)
-        if self._on_evict is not None:
-            for ek, ev in evicted:
-                self._on_evict(ek, ev)
+        self._report(evicted)
         return len(evicted)
 
     def pop(self, key):
