@@ -109,8 +109,8 @@ def test_prefix_rows_retry_without_the_segment_cache_then_chunked(monkeypatch):
     seen_settings = []
 
     def ttft(prompt):
-        seen_settings.append((llm.engine.config.prefill_chunk_tokens,     # what the engine runs the request with
-                            llm.cache_stats()["prefix"]["capacity_bytes"]))
+        seen_settings.append((llm.engine.config.prefill_chunk_tokens,   # what the engine runs the request with
+                              llm.cache_stats()["prefix"]["capacity_bytes"]))
         o = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
         return o.ttft_s, o
 
